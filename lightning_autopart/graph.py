@@ -1,0 +1,89 @@
+"""A captured model: an ordered sequence of runnable blocks and the tensors that cross each cut between them.
+
+Produced by :func:`lightning_autopart.capture.capture`, consumed by the profilers (which run each block's
+``program`` on its recorded ``args``) and by the stage builder (which chains the programs of a stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__: list[str] = ["Block", "CapturedModel", "TensorInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor that flows between blocks (or into or out of the model)."""
+
+    #: Name of the value (graph node name, or "input0", "block3.out1" for module capture).
+    name: str
+    #: Shape in the captured forward.
+    shape: tuple[int, ...]
+    #: dtype name ("float32", "int64", "bool", ...).
+    dtype: str
+    #: Bytes of the tensor.
+    nbytes: int
+    #: Index of the producing block; -1 for a model input.
+    producer: int
+    #: Indices of the consuming blocks, ascending; len(blocks) means "a model output".
+    consumers: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Block:
+    """One candidate pipeline unit: the cut points of the model lie only between blocks."""
+
+    #: Position in execution order.
+    index: int
+    #: Display name, usually the FQN of the module the block covers ("layers.3").
+    name: str
+    #: FQNs of the modules the block owns.
+    modules: tuple[str, ...]
+    #: FQNs of every parameter the block uses (a tied parameter appears in every block that uses it).
+    params: tuple[str, ...]
+    #: FQNs of every buffer the block uses.
+    buffers: tuple[str, ...]
+    #: Runs the block: ``program(*args)`` returns a tuple of tensors, the values ``outputs`` names.
+    program: nn.Module
+    #: The block's inputs as seen in the captured forward (real or meta tensors, in ``inputs`` order).
+    args: tuple[Any, ...]
+    #: The values the block reads, in ``program`` argument order.
+    inputs: tuple[TensorInfo, ...]
+    #: The values the block produces that later blocks or the model's output use, in return order.
+    outputs: tuple[TensorInfo, ...]
+    #: Number of tensor operations in the block (kernel launches, for the fixed-cost model).
+    op_count: int
+
+
+@dataclass
+class CapturedModel:
+    """The model as a sequence of blocks; ``cuts[k]`` lists the tensors crossing the cut after block ``k``."""
+
+    #: The captured module itself (never modified).
+    module: nn.Module
+    #: "export" (torch.export graph split at module boundaries) or "modules" (module hooks on one forward).
+    method: str
+    #: Blocks in execution order.
+    blocks: list[Block]
+    #: ``cuts[k]``: every tensor produced by blocks <= k (or a model input) and used by blocks > k or as a
+    #: model output; ``cuts[-1]`` is the model's outputs.
+    cuts: list[tuple[TensorInfo, ...]]
+    #: The model's inputs.
+    inputs: tuple[TensorInfo, ...]
+    #: Samples in the example batch (size of dim 0 of the first input).
+    batch_size: int
+    #: Shape of every parameter by FQN.
+    param_shapes: dict[str, tuple[int, ...]]
+    #: Parameter FQNs used by more than one block, with the blocks that use them.
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: For "export": the top-level graph that calls ``submod_<k>`` for block k; None for "modules".
+    split_graph: torch.fx.GraphModule | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks."""
+        return len(self.blocks)

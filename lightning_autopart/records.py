@@ -1,0 +1,154 @@
+"""Profiled blocks as flat records of numbers: the boundary between profiling and planning.
+
+These records import nothing from torch, so the planner, the plan files and the CLI's ``show`` can use them
+anywhere. Every field carries its unit in its name (``fwd_us``, ``activation_bytes``). Times and activation
+sizes are given at ``ModelProfile.batch_size`` samples and scale as ``fixed + per_sample * batch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_autopart.errors import ConfigError
+
+__all__ = ["BlockProfile", "ModelProfile", "TiedParam", "optimizer_state_factor"]
+
+#: Optimizer state kept per parameter, in multiples of the parameter's own bytes.
+_OPTIMIZER_STATE_FACTORS: dict[str, float] = {
+    "sgd": 0.0,
+    "sgd_momentum": 1.0,
+    "adagrad": 1.0,
+    "rmsprop": 1.0,
+    "adam": 2.0,
+    "adamw": 2.0,
+}
+
+
+def optimizer_state_factor(optimizer: str) -> float:
+    """Bytes of optimizer state per byte of parameter for an optimizer name ("sgd", "sgd_momentum", "adam", ...)."""
+    key = optimizer.lower().replace("-", "_").replace("+", "_")
+    if key in ("sgd_m", "momentum", "sgdm"):
+        key = "sgd_momentum"
+    if key not in _OPTIMIZER_STATE_FACTORS:
+        known = ", ".join(sorted(_OPTIMIZER_STATE_FACTORS))
+        raise ConfigError(f"unknown optimizer {optimizer!r}; use one of: {known}")
+    return _OPTIMIZER_STATE_FACTORS[key]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockProfile:
+    """One candidate pipeline unit: a contiguous piece of the model, cut only at its boundaries."""
+
+    #: Block name, usually the FQN of the module it covers ("layers.3"), or "a..b" for merged glue.
+    name: str
+    #: FQNs of the modules this block owns (the stage that holds the block instantiates them).
+    modules: tuple[str, ...]
+    #: FQNs and shapes of the parameters first used by this block (tied parameters appear at first use).
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    #: Number of parameter elements first used by this block.
+    param_count: int
+    #: Bytes of those parameters.
+    param_bytes: int
+    #: Bytes of their gradients (trainable parameters only).
+    grad_bytes: int
+    #: Bytes of optimizer state for them (by optimizer type).
+    optimizer_bytes: int
+    #: Bytes of buffers (BatchNorm statistics, ...).
+    buffer_bytes: int
+    #: Forward time in microseconds at ``ModelProfile.batch_size``.
+    fwd_us: float
+    #: Backward time in microseconds at ``ModelProfile.batch_size``.
+    bwd_us: float
+    #: Part of ``fwd_us`` that does not scale with batch size (kernel launches, Python overhead).
+    fwd_fixed_us: float
+    #: Part of ``bwd_us`` that does not scale with batch size.
+    bwd_fixed_us: float
+    #: Bytes saved for backward by this block at ``batch_size`` (measured with saved-tensor hooks).
+    activation_bytes: int
+    #: Bytes of every tensor crossing the cut right after this block at ``batch_size`` (skips and fan-out
+    #: included); for the last block, the bytes of the model's outputs.
+    cut_bytes: int
+    #: Forward floating-point operations at ``batch_size`` (0 when unknown).
+    fwd_flops: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParam:
+    """A parameter used by several blocks (a tied embedding and output head, say)."""
+
+    #: FQN of the parameter.
+    name: str
+    #: Bytes of the parameter itself.
+    param_bytes: int
+    #: Indices of the blocks that use it, ascending; the first one owns it in ``BlockProfile.param_bytes``.
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the planner knows about a model: its blocks in execution order, profiled at one batch size."""
+
+    #: Model class name.
+    model: str
+    #: Blocks in execution order.
+    blocks: tuple[BlockProfile, ...]
+    #: Samples in the batch the profile was taken at.
+    batch_size: int
+    #: Bytes of the model's inputs at ``batch_size`` (what the first stage receives).
+    input_bytes: int
+    #: Parameters shared between blocks.
+    tied: tuple[TiedParam, ...] = ()
+    #: "measure" (timed on a device) or "estimate" (roofline model of a device spec).
+    mode: str = "estimate"
+    #: Device the times refer to: a spec name ("a100-40gb") or the measured device ("cuda:0", "cpu").
+    device: str = "cpu"
+    #: Optimizer whose state ``optimizer_bytes`` counts.
+    optimizer: str = "sgd"
+    #: Parameter dtype.
+    dtype: str = "float32"
+    #: How the blocks were captured: "export" (torch.export graph) or "modules" (module hooks).
+    capture: str = "export"
+    #: Free-form details (input shapes, profiling settings).
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks."""
+        return len(self.blocks)
+
+    @property
+    def param_count(self) -> int:
+        """Total parameter elements (tied parameters counted once)."""
+        return sum(b.param_count for b in self.blocks)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the model in a plan file: class, block names, parameter counts, a digest of shapes."""
+        blocks = []
+        for b in self.blocks:
+            digest = hashlib.sha256(json.dumps(b.param_shapes).encode()).hexdigest()[:16]
+            blocks.append({"name": b.name, "param_count": b.param_count, "shapes_sha256": digest})
+        return {"model": self.model, "param_count": self.param_count, "blocks": blocks}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        """Inverse of :meth:`to_dict`."""
+        blocks = tuple(
+            BlockProfile(
+                **{
+                    **b,
+                    "modules": tuple(b["modules"]),
+                    "param_shapes": tuple((n, tuple(s)) for n, s in b["param_shapes"]),
+                }
+            )
+            for b in data["blocks"]
+        )
+        tied = tuple(TiedParam(t["name"], t["param_bytes"], tuple(t["blocks"])) for t in data.get("tied", ()))
+        rest = {k: v for k, v in data.items() if k not in ("blocks", "tied")}
+        return cls(blocks=blocks, tied=tied, **rest)
