@@ -1,0 +1,114 @@
+"""Assembly of a CapturedModel from raw blocks: tensor records, cuts, tied parameters and batch size."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_autopart.graph import Block, CapturedModel, TensorInfo
+
+__all__: list[str] = []
+
+
+@dataclass(slots=True)
+class RawBlock:
+    """A block before assembly: values are named, not yet described by :class:`TensorInfo`."""
+
+    name: str
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    program: nn.Module
+    args: tuple[Any, ...]
+    #: Names of the values the block reads, in program argument order.
+    inputs: tuple[str, ...]
+    #: Names of the values the program returns.
+    outputs: tuple[str, ...]
+    op_count: int
+
+
+def describe(name: str, value: Any, producer: int, consumers: Sequence[int]) -> TensorInfo:
+    """A :class:`TensorInfo` for a tensor (real, meta or fake); a non-tensor gets shape () and 0 bytes."""
+    if isinstance(value, torch.Tensor):
+        shape = tuple(int(s) for s in value.shape)
+        nbytes = value.numel() * value.element_size()
+        dtype = str(value.dtype).removeprefix("torch.")
+    else:
+        shape, nbytes, dtype = (), 0, type(value).__name__
+    return TensorInfo(name, shape, dtype, nbytes, producer, tuple(sorted(set(consumers))))
+
+
+def assemble(
+    module: nn.Module,
+    method: str,
+    raw: list[RawBlock],
+    inputs: list[tuple[str, Any]],
+    values: dict[str, Any],
+    outputs: list[str],
+    split_graph: torch.fx.GraphModule | None = None,
+) -> CapturedModel:
+    """Build the :class:`CapturedModel`.
+
+    Args:
+        module: The captured module.
+        method: "export" or "modules".
+        raw: The blocks in execution order.
+        inputs: The model inputs as (name, example value), in order.
+        values: Example value (for shape and dtype) of every block output named in ``raw``.
+        outputs: Names of the model outputs, in order.
+        split_graph: The top-level graph calling ``submod_<k>`` ("export" only).
+    """
+    n = len(raw)
+    producer = {name: -1 for name, _ in inputs}
+    examples = dict(inputs) | values
+    for k, block in enumerate(raw):
+        producer.update((name, k) for name in block.outputs)
+    consumers: dict[str, list[int]] = {name: [] for name in producer}
+    for k, block in enumerate(raw):
+        for name in block.inputs:
+            consumers[name].append(k)
+    for name in outputs:
+        consumers[name].append(n)
+    info = {name: describe(name, examples[name], producer[name], consumers[name]) for name in producer}
+    order = list(info.values())  # model inputs, then block outputs in execution order
+    cuts = [
+        tuple(t for t in order if t.producer <= k and t.consumers and t.consumers[-1] > k)
+        for k in range(n - 1)
+    ]
+    cuts.append(tuple(info[name] for name in dict.fromkeys(outputs)))
+
+    blocks = [
+        Block(
+            index=k,
+            name=b.name,
+            modules=b.modules,
+            params=b.params,
+            buffers=b.buffers,
+            program=b.program,
+            args=b.args,
+            inputs=tuple(info[name] for name in b.inputs),
+            outputs=tuple(info[name] for name in b.outputs),
+            op_count=b.op_count,
+        )
+        for k, b in enumerate(raw)
+    ]
+    users: dict[str, list[int]] = {}
+    for k, b in enumerate(raw):
+        for name in b.params:
+            users.setdefault(name, []).append(k)
+    first = next((t for t in info.values() if t.producer < 0 and t.shape), None)
+    return CapturedModel(
+        module=module,
+        method=method,
+        blocks=blocks,
+        cuts=cuts,
+        inputs=tuple(info[name] for name, _ in inputs),
+        batch_size=first.shape[0] if first is not None else 1,
+        param_shapes={name: tuple(p.shape) for name, p in module.named_parameters()},
+        tied={name: tuple(ks) for name, ks in users.items() if len(ks) > 1},
+        split_graph=split_graph,
+    )

@@ -1,0 +1,320 @@
+"""Capture by module hooks: one eager forward, each block's inputs and outputs tracked by tensor identity."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.tree import ancestors, block_modules, collapse, param_weight
+from lightning_autopart.errors import CaptureError
+from lightning_autopart.graph import CapturedModel
+
+__all__: list[str] = []
+
+
+class Glue(Exception):
+    """A value a block (or the model output) needs is computed outside any block, in ``owner``'s forward."""
+
+    def __init__(self, owner: str, what: str, fix: str = "Move that computation into a submodule") -> None:
+        super().__init__(what)
+        #: FQN of the module whose forward computes the value ("" for the root).
+        self.owner = owner
+        #: What is computed where, with "{owner}" standing for the owner's class name.
+        self.what = what
+        #: What the user can change.
+        self.fix = fix
+
+
+class ModuleProgram(nn.Module):
+    """A block module called as in the captured forward: tensors in, the block's used outputs out as a tuple."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: pytree.TreeSpec,
+        leaves: list[Any],
+        slots: list[int | None],
+        picks: list[int],
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self._spec = spec
+        self._leaves = leaves  # constant leaves; None where ``slots`` names a program argument
+        self._slots = slots
+        self._picks = picks  # positions of the returned tensors among the module's output leaves
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Call the module with ``tensors`` in their places; return the outputs later blocks use."""
+        leaves = [
+            leaf if slot is None else tensors[slot]
+            for leaf, slot in zip(self._leaves, self._slots, strict=True)
+        ]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        out = pytree.tree_leaves(self.module(*args, **kwargs))
+        return tuple(out[j] for j in self._picks)
+
+
+@dataclass
+class _Call:
+    """One block module call seen in the forward."""
+
+    fqn: str
+    spec: pytree.TreeSpec
+    leaves: list[Any]
+    slots: list[int | None]
+    inputs: list[str]
+    args: list[torch.Tensor]
+    extra: set[str] = field(default_factory=set)  # root params/buffers passed in, modules called inside
+    outputs: list[tuple[int, str]] = field(default_factory=list)  # (leaf position, value name)
+    ops: int = 0
+
+
+class _Tracker(TorchDispatchMode):
+    """Hooks' state for one forward; as a dispatch mode it also counts the operations of each block."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.values: dict[int, tuple[str, torch.Tensor, int]] = {}  # id -> (name, tensor, version)
+        self.examples: dict[str, torch.Tensor] = {}  # name -> tensor, for every value ever produced
+        self.attrs: dict[int, str] = {
+            id(t): n for n, t in (*module.named_parameters(), *module.named_buffers())
+        }
+        self.stack: list[tuple[str, str]] = []  # (fqn, "block" | "ancestor" | "inside")
+        self.calls: list[_Call] = []
+        self.active: _Call | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.active is not None:
+            self.active.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def owner(self) -> str:
+        """The innermost ancestor whose forward is running (its code is what calls the next module)."""
+        return next((f for f, kind in reversed(self.stack) if kind == "ancestor"), "")
+
+    def lookup(self, t: torch.Tensor, owner: str, what: str) -> str | None:
+        """Name of a tracked value; None for a parameter or buffer; Glue if computed outside any block."""
+        entry = self.values.get(id(t))
+        if entry is not None and entry[1] is t:
+            if t._version != entry[2]:
+                raise Glue(owner, f"{what} is modified in place in {{owner}}.forward outside any submodule")
+            return entry[0]
+        if id(t) in self.attrs:
+            return None
+        raise Glue(owner, f"{what} is computed in {{owner}}.forward outside any submodule")
+
+    def produce(self, t: torch.Tensor, name: str) -> None:
+        self.values[id(t)] = (name, t, t._version)
+        self.examples[name] = t
+
+    def pre_block(self, fqn: str, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.active is not None:
+            self.active.extra.add(fqn)
+            self.stack.append((fqn, "inside"))
+            return
+        if any(c.fqn == fqn for c in self.calls):
+            raise Glue(
+                self.owner(),
+                f"block '{fqn}' is called more than once in {{owner}}.forward",
+                "Call each submodule once (wrap the repeated calls in one submodule)",
+            )
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        call = _Call(fqn, spec, [], [], [], [])
+        for i, leaf in enumerate(leaves):
+            name = None
+            if isinstance(leaf, torch.Tensor):
+                name = self.lookup(leaf, self.owner(), f"input {i} of block '{fqn}'")
+                if name is None:
+                    call.extra.add(self.attrs[id(leaf)])
+            if name is None:
+                call.leaves.append(leaf)
+                call.slots.append(None)
+                continue
+            if name not in call.inputs:
+                call.inputs.append(name)
+                call.args.append(leaf)
+            call.leaves.append(None)
+            call.slots.append(call.inputs.index(name))
+        self.calls.append(call)
+        self.stack.append((fqn, "block"))
+        self.active = call
+
+    def post_block(self, fqn: str, _: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.stack.pop()[1] != "block":
+            return
+        call, k = self.calls[-1], len(self.calls) - 1
+        self.active = None
+        for t in call.args:  # the block may have changed its inputs in place
+            if self.values[id(t)][1] is t:
+                self.values[id(t)] = (*self.values[id(t)][:2], t._version)
+        seen: set[int] = set()
+        for j, leaf in enumerate(pytree.tree_leaves(output)):
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                call.outputs.append((j, f"block{k}.out{j}"))
+                self.produce(leaf, f"block{k}.out{j}")
+
+    def pre_ancestor(self, fqn: str, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.active is not None:
+            self.active.extra.add(fqn)
+            self.stack.append((fqn, "inside"))
+            return
+        for i, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+            if isinstance(leaf, torch.Tensor):
+                self.lookup(leaf, self.owner(), f"input {i} of '{fqn}'")
+        self.stack.append((fqn, "ancestor"))
+
+    def post_ancestor(self, fqn: str, _: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.stack.pop()[1] != "ancestor":
+            return
+        for j, leaf in enumerate(pytree.tree_leaves(output)):
+            if isinstance(leaf, torch.Tensor):
+                self.lookup(leaf, fqn, f"output {j} of '{fqn}'")
+
+
+def capture_modules(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    max_blocks: int,
+    export_error: str | None,
+) -> CapturedModel:
+    """Capture with hooks on the block modules; coarsen a block whose parent's forward holds glue, and retry."""
+    cls = type(module).__name__
+    weight = param_weight(module)
+    modules = dict(module.named_modules())
+    fqns = block_modules(
+        module, max_blocks, weight if weight("") > 0 else lambda f: len(list(modules[f].modules()))
+    )
+    for _ in range(len(modules)):  # each retry turns one more module above the blocks into a block
+        try:
+            return _capture_once(module, args, kwargs, fqns)
+        except Glue as glue:
+            if glue.owner == "":
+                raise CaptureError(_glue_message(module, glue, export_error)) from None
+            fqns = collapse(fqns, glue.owner)
+        except Exception as error:
+            raise CaptureError(forward_message(module, args, kwargs, error, export_error)) from error
+    raise CaptureError(f"cannot capture {cls} with module hooks: no choice of blocks covers its forward")
+
+
+def _capture_once(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fqns: list[str]
+) -> CapturedModel:
+    """One forward with hooks on the blocks ``fqns`` and on the modules above them."""
+    tracker = _Tracker(module)
+    modules = dict(module.named_modules())
+    leaves = pytree.tree_leaves((args, kwargs))
+    inputs = [(f"input{i}", leaf) for i, leaf in enumerate(leaves)]
+    for name, leaf in reversed(inputs):  # reversed: the first name wins for a tensor passed twice
+        if isinstance(leaf, torch.Tensor):
+            tracker.produce(leaf, name)
+    above = {a for f in fqns for a in ancestors(f)}
+    handles = []
+    for fqn, pre, post in [(f, tracker.pre_block, tracker.post_block) for f in fqns] + [
+        (a, tracker.pre_ancestor, tracker.post_ancestor) for a in sorted(above)
+    ]:
+        handles.append(modules[fqn].register_forward_pre_hook(_bind(pre, fqn), with_kwargs=True))
+        handles.append(modules[fqn].register_forward_hook(_bind(post, fqn), with_kwargs=True))
+    try:
+        with torch.no_grad(), tracker:
+            output = module(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    out_names = [
+        tracker.lookup(t, "", f"model output {j}") or ""
+        for j, t in enumerate(pytree.tree_leaves(output))
+        if isinstance(t, torch.Tensor)
+    ]
+    if "" in out_names:
+        raise Glue(
+            "", "a model output is a parameter or buffer, returned by {owner}.forward outside any submodule"
+        )
+    used = set(out_names) | {name for call in tracker.calls for name in call.inputs}
+    params = {id(p): n for n, p in module.named_parameters()}
+    buffers = {id(b): n for n, b in module.named_buffers()}
+    raw = []
+    for call in tracker.calls:
+        outputs = [(j, name) for j, name in call.outputs if name in used]
+        owned = [call.fqn, *sorted(call.extra)]
+        tensors = {
+            id(t): t for f in owned if f in modules for t in (*modules[f].parameters(), *modules[f].buffers())
+        }
+        tensors |= {
+            id(t): t for n, t in (*module.named_parameters(), *module.named_buffers()) if n in call.extra
+        }
+        program = ModuleProgram(
+            modules[call.fqn], call.spec, call.leaves, call.slots, [j for j, _ in outputs]
+        )
+        raw.append(
+            RawBlock(
+                name=call.fqn or type(module).__name__,
+                modules=(call.fqn,),
+                params=tuple(params[i] for i in tensors if i in params),
+                buffers=tuple(buffers[i] for i in tensors if i in buffers),
+                program=program,
+                args=tuple(call.args),
+                inputs=tuple(call.inputs),
+                outputs=tuple(name for _, name in outputs),
+                op_count=call.ops,
+            )
+        )
+    values = {name: tracker.examples[name] for block in raw for name in block.outputs}
+    return assemble(module, "modules", raw, inputs, values, out_names)
+
+
+def _bind(hook: Callable[..., None], fqn: str) -> Callable[..., None]:
+    """``hook`` with the module FQN as its first argument."""
+    return lambda *rest: hook(fqn, *rest)
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, at most 300 characters."""
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _glue_message(module: nn.Module, glue: Glue, export_error: str | None) -> str:
+    cls = type(module).__name__
+    what = glue.what.format(owner=cls)
+    if export_error is None:
+        return f"cannot capture {cls} with module hooks: {what}. {glue.fix}, or capture with method='export'"
+    return (
+        f"cannot capture {cls}: {what}, and torch.export failed with: {export_error}. {glue.fix}, "
+        f"or remove data-dependent control flow from {cls}.forward so torch.export can trace it"
+    )
+
+
+def forward_message(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    error: BaseException,
+    export_error: str | None,
+) -> str:
+    """The message for a forward that raised on the example inputs."""
+    cls = type(module).__name__
+    text = f"cannot capture {cls}: {cls}.forward(example_inputs) raised {type(error).__name__}: {first_line(error)}"
+    tensors = [
+        t for t in (*pytree.tree_leaves((args, kwargs)), *module.parameters()) if isinstance(t, torch.Tensor)
+    ]
+    if any(t.is_meta for t in tensors):
+        text += (
+            ". On the meta device forward cannot run data-dependent code (such as `if x.sum() > 0`): capture "
+            "with real (non-meta) example inputs, or use `--profile measure`"
+        )
+    else:
+        text += ". Check that example_inputs match what forward expects (a Tensor, a tuple of positional "
+        text += "arguments, a dict of keyword arguments, or (args, kwargs))"
+    if export_error is not None and first_line(error) not in export_error:
+        text += f" (torch.export failed with: {export_error})"
+    return text
