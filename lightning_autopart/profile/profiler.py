@@ -1,0 +1,238 @@
+"""The ``profile`` entry point: a captured model in, one flat :class:`ModelProfile` record per block out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_autopart.devices import DeviceSpec, device_spec
+from lightning_autopart.errors import ConfigError, ProfileError
+from lightning_autopart.graph import CapturedModel
+from lightning_autopart.profile.calibrate import calibrate_cpu
+from lightning_autopart.profile.estimate import estimate_block
+from lightning_autopart.profile.measure import measure_block
+from lightning_autopart.profile.memory import BlockMemory, account_memory
+from lightning_autopart.profile.opcount import Roofline
+from lightning_autopart.profile.precision import parse_precision, scaled_nbytes
+from lightning_autopart.profile.runner import BlockCost
+from lightning_autopart.records import BlockProfile, ModelProfile, optimizer_state_factor
+
+__all__ = ["profile", "resolve_spec"]
+
+_MODES = ("measure", "estimate")
+
+
+def _cuda_spec(device: torch.device) -> DeviceSpec:
+    """The named spec closest to a CUDA device (for its launch overhead); A100 40 GB when unknown."""
+    props = torch.cuda.get_device_properties(device)
+    name = props.name.lower()
+    for key in ("h200", "h100", "a100", "v100"):
+        if key in name:
+            if key == "a100" and props.total_memory > 50 * (1 << 30):
+                return device_spec("a100-80gb")
+            return device_spec(key)
+    return device_spec("a100-40gb")
+
+
+def resolve_spec(spec: str | DeviceSpec | None, device: torch.device | None = None) -> DeviceSpec:
+    """A spec object from a name ("cpu" means :func:`calibrate_cpu`), or the one matching ``device`` if None.
+
+    Raises:
+        ConfigError: the name is not a known spec.
+    """
+    if isinstance(spec, DeviceSpec):
+        return spec
+    if spec is None:
+        return _cuda_spec(device) if device is not None and device.type == "cuda" else calibrate_cpu()
+    if spec.strip().lower() == "cpu":
+        return calibrate_cpu()
+    return device_spec(spec)
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"cannot parse device {device!r}: {err}") from err
+    if dev.type == "meta":
+        raise ConfigError(
+            "measure mode needs a real device, not 'meta'; use mode='estimate' to profile on meta"
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available; use device='cpu'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _block_indices(blocks: Sequence[int] | None, num_blocks: int) -> list[int]:
+    if blocks is None:
+        return list(range(num_blocks))
+    bad = [b for b in blocks if not isinstance(b, int) or not 0 <= b < num_blocks]
+    if bad:
+        raise ConfigError(f"blocks {bad} out of range; the captured model has blocks 0..{num_blocks - 1}")
+    return sorted(set(blocks))
+
+
+def profile(
+    captured: CapturedModel,
+    mode: str = "measure",
+    *,
+    device: str | torch.device | None = None,
+    spec: str | DeviceSpec | None = None,
+    optimizer: str = "sgd",
+    dtype: str | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    blocks: Sequence[int] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> ModelProfile:
+    """Profile every block (or the ``blocks`` subset) of a captured model, on copies; the model is untouched.
+
+    Args:
+        captured: The model as blocks, from :func:`lightning_autopart.capture.capture`.
+        mode: "measure" times each block on ``device``; "estimate" runs it on meta tensors and prices every
+            aten op with a roofline of ``spec`` (no real compute or memory).
+
+    Keyword Args:
+        device: Where "measure" runs (default: the current CUDA device, else "cpu").
+        spec: Device spec for "estimate" ("a100-40gb", ...; "cpu" probes this machine). Default: the spec
+            matching ``device`` (by CUDA device name; "cpu" without CUDA). In "measure" it only supplies
+            the per-kernel launch cost of the fixed-time model.
+        optimizer: Optimizer whose state ``optimizer_bytes`` counts ("sgd", "sgd_momentum", "adam", ...).
+        dtype: Parameter/compute dtype ("bfloat16", "float16", Lightning's "bf16-mixed", ...); default: the
+            parameters' own dtype.
+        warmup: Untimed forward+backward runs before timing ("measure").
+        repeats: Timed runs; times are their median ("measure").
+        blocks: Block indices to profile. The result is partial: ``blocks`` holds only those records and
+            ``meta["profiled_blocks"]`` their indices; :func:`merge_profiles` joins the parts of all ranks.
+        progress: Called as ``progress(done, total, block_name)`` after each block.
+
+    Returns:
+        The profile at ``captured.batch_size``. ``meta`` holds ``num_blocks``, ``profiled_blocks``,
+        ``input_shapes``/``input_dtypes``, ``compute_dtype``, the settings (``warmup``, ``repeats``,
+        ``timer``, ``launch_us``, or the spec's figures) and ``per_block``: for each record, its ``index``,
+        ``fwd_kernels``/``bwd_kernels``, ``bwd_flops``, and ``saved_input_bytes``/``saved_output_bytes``,
+        the parts of ``activation_bytes`` that are the block's own inputs/outputs (two neighbouring blocks
+        in one stage may both save the tensor that crosses between them; a planner can count it once).
+
+    Raises:
+        ConfigError: unknown mode, spec, optimizer, dtype or device, or block indices out of range.
+        ProfileError: a block failed to run; the message names the block and the original error.
+    """
+    if mode not in _MODES:
+        raise ConfigError(f"unknown profile mode {mode!r}; use 'measure' or 'estimate'")
+    if warmup < 0 or repeats < 1:
+        raise ConfigError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    factor = optimizer_state_factor(optimizer)
+    precision = parse_precision(dtype, captured.module)
+    indices = _block_indices(blocks, captured.num_blocks)
+    memory, tied = account_memory(captured, precision.param, factor)
+
+    meta: dict[str, Any] = {
+        "num_blocks": captured.num_blocks,
+        "profiled_blocks": indices,
+        "input_shapes": [list(t.shape) for t in captured.inputs],
+        "input_dtypes": [t.dtype for t in captured.inputs],
+        "compute_dtype": precision.compute_name,
+        "torch": torch.__version__,
+    }
+    rng_devices: list[torch.device] = []
+    if mode == "measure":
+        dev = _resolve_device(device)
+        rng_devices = [dev] if dev.type == "cuda" else []
+        chosen = resolve_spec(spec, dev)
+        device_name = str(dev)
+        meta.update(
+            warmup=warmup, repeats=repeats, timer="cuda_event" if dev.type == "cuda" else "perf_counter"
+        )
+        meta.update(launch_spec=chosen.name, launch_us=chosen.launch_us)
+    else:
+        on_meta = device is not None and str(device).startswith("meta")
+        chosen = resolve_spec(spec, None if spec is not None or on_meta else _resolve_device(device))
+        roofline = Roofline.of(chosen, precision.compute_name)
+        device_name = chosen.name
+        meta.update(
+            spec=chosen.name,
+            peak_flops=chosen.peak_flops(precision.compute_name),
+            flops_efficiency=chosen.flops_efficiency,
+            memory_bw=chosen.memory_bw,
+            bw_efficiency=chosen.bw_efficiency,
+            launch_us=chosen.launch_us,
+        )
+
+    records: list[BlockProfile] = []
+    per_block: list[dict[str, Any]] = []
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(0)
+        for done, index in enumerate(indices, start=1):
+            block = captured.blocks[index]
+            try:
+                if mode == "measure":
+                    cost = measure_block(block, dev, precision, chosen.launch_us, warmup, repeats)
+                else:
+                    cost = estimate_block(block, precision, roofline)
+            except Exception as err:
+                raise ProfileError(
+                    f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+            cut_bytes = sum(scaled_nbytes(t, precision.compute) for t in captured.cuts[index])
+            records.append(_record(block.name, block.modules, memory[index], cost, cut_bytes))
+            per_block.append(
+                {
+                    "index": index,
+                    "fwd_kernels": cost.fwd_kernels,
+                    "bwd_kernels": cost.bwd_kernels,
+                    "bwd_flops": cost.bwd_flops,
+                    "saved_input_bytes": cost.saved_input_bytes,
+                    "saved_output_bytes": cost.saved_output_bytes,
+                }
+            )
+            if progress is not None:
+                progress(done, len(indices), block.name)
+    meta["per_block"] = per_block
+
+    return ModelProfile(
+        model=type(captured.module).__name__,
+        blocks=tuple(records),
+        batch_size=captured.batch_size,
+        input_bytes=sum(scaled_nbytes(t, precision.param) for t in captured.inputs),
+        tied=tied,
+        mode=mode,
+        device=device_name,
+        optimizer=optimizer,
+        dtype=precision.param_name,
+        capture=captured.method,
+        meta=meta,
+    )
+
+
+def _record(
+    name: str, modules: tuple[str, ...], memory: BlockMemory, cost: BlockCost, cut_bytes: int
+) -> BlockProfile:
+    return BlockProfile(
+        name=name,
+        modules=tuple(modules),
+        param_shapes=memory.param_shapes,
+        param_count=memory.param_count,
+        param_bytes=memory.param_bytes,
+        grad_bytes=memory.grad_bytes,
+        optimizer_bytes=memory.optimizer_bytes,
+        buffer_bytes=memory.buffer_bytes,
+        fwd_us=float(cost.fwd_us),
+        bwd_us=float(cost.bwd_us),
+        fwd_fixed_us=float(cost.fwd_fixed_us),
+        bwd_fixed_us=float(cost.bwd_fixed_us),
+        activation_bytes=int(cost.activation_bytes),
+        cut_bytes=int(cut_bytes),
+        fwd_flops=float(cost.fwd_flops),
+    )

@@ -1,0 +1,90 @@
+"""A sandboxed copy of one block that runs forward and backward, and the cost record the profilers fill."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_autopart.graph import Block
+from lightning_autopart.profile.opcount import OpCounter
+from lightning_autopart.profile.precision import Precision
+from lightning_autopart.profile.sandbox import (
+    clear_grads,
+    copy_program,
+    fresh_inputs,
+    grad_outputs,
+    make_args,
+    state_tensors,
+)
+from lightning_autopart.profile.saved import SavedTensorMeter
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCost:
+    """What a profiler learns about one block, before static memory is added."""
+
+    fwd_us: float
+    bwd_us: float
+    fwd_fixed_us: float
+    bwd_fixed_us: float
+    activation_bytes: int
+    #: Part of ``activation_bytes`` that is the block's own inputs (the previous block may save them too).
+    saved_input_bytes: int
+    #: Part of ``activation_bytes`` that is the block's own outputs (the next block may save them too).
+    saved_output_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    fwd_kernels: int
+    bwd_kernels: int
+
+
+class Runner:
+    """A sandboxed copy of one block with its inputs, able to run forward and backward repeatedly."""
+
+    def __init__(self, block: Block, device: torch.device, precision: Precision) -> None:
+        self.device = device
+        self.program: nn.Module = copy_program(block.program, device, precision.param)
+        self.args = make_args(block, device, precision.param)
+        #: Context of every forward: autocast for a "-mixed" precision, or what the caller sets.
+        self.context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        if precision.mixed and precision.compute is not None and device.type != "meta":
+            compute = precision.compute
+            self.context = lambda: torch.autocast(device.type, dtype=compute)
+        self.grads: list[torch.Tensor] = []
+
+    def forward(self, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
+        with self.context():
+            out = self.program(*inputs)
+        return grad_outputs(out)
+
+    def backward(self, outputs: list[torch.Tensor]) -> None:
+        if outputs:
+            torch.autograd.backward(outputs, grad_tensors=self.grads)
+
+    def counted_run(self, counter: OpCounter) -> tuple[int, int, int]:
+        """One forward and backward under ``counter``, metering saved tensors.
+
+        Returns:
+            Bytes saved for backward, and the parts of them that are the block's inputs and its outputs.
+        """
+        meter = SavedTensorMeter(exclude=state_tensors(self.program))
+        inputs = fresh_inputs(self.args)
+        with counter:
+            counter.phase = "fwd"
+            with meter.hooks():
+                outputs = self.forward(inputs)
+            counter.phase = None
+            self.grads = [torch.ones_like(t) for t in outputs]
+            counter.phase = "bwd"
+            self.backward(outputs)
+            counter.phase = None
+        clear_grads(self.program, self.args)
+        return meter.nbytes, meter.nbytes_of(tree_leaves(inputs)), meter.nbytes_of(outputs)

@@ -1,0 +1,131 @@
+"""Sandboxed copies of a block's program and arguments on the device a profiler runs them on."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from lightning_autopart.graph import Block
+
+__all__: list[str] = []
+
+# The live model is never moved, cast or run: every helper here works on copies.
+
+
+def convert_tensor(
+    t: torch.Tensor, device: torch.device, dtype: torch.dtype | None, fill: str
+) -> torch.Tensor:
+    """A detached copy of ``t`` on ``device``, floats cast to ``dtype``; meta tensors become real random ones.
+
+    ``fill`` says how to make values for a meta tensor: "param" (normal, std 0.02), "buffer" (floats one,
+    others zero) or "arg" (floats randn, integers zero to stay in range, bools one).
+    """
+    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    if device.type == "meta":
+        return torch.empty_like(t, device=device, dtype=target)
+    if not t.is_meta:
+        return t.detach().to(device=device, dtype=target, copy=True)
+    if target.is_floating_point or target.is_complex:
+        if fill == "param":
+            return torch.randn(t.shape, dtype=target, device=device) * 0.02
+        if fill == "buffer":
+            return torch.ones(t.shape, dtype=target, device=device)
+        return torch.randn(t.shape, dtype=target, device=device)
+    if target == torch.bool:
+        return torch.ones(t.shape, dtype=target, device=device)
+    return torch.zeros(t.shape, dtype=target, device=device)
+
+
+def attribute_tensors(program: nn.Module) -> list[torch.Tensor]:
+    """Tensors a program holds outside its parameters and buffers: fx constants, constant call leaves."""
+    found: dict[int, torch.Tensor] = {}
+    for module in program.modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            leaves = tree_leaves(value) if isinstance(value, list | tuple | dict) else [value]
+            found.update((id(t), t) for t in leaves if isinstance(t, torch.Tensor))
+    return list(found.values())
+
+
+def copy_program(program: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """Deep-copy a block program with every tensor it holds converted straight onto ``device``.
+
+    Parameters, buffers and other tensor attributes are pre-seeded in the deepcopy memo, so their storage
+    is never duplicated on the source device: copying a block of a 10 GB model to meta costs no memory.
+    Floating parameters and buffers are cast to ``dtype`` (as ``module.to(dtype)`` does); constants keep
+    theirs.
+    """
+    memo: dict[int, Any] = {}
+    for t in attribute_tensors(program):
+        if isinstance(t, nn.Parameter):
+            memo[id(t)] = nn.Parameter(
+                convert_tensor(t, device, dtype, "param"), requires_grad=t.requires_grad
+            )
+        else:
+            memo[id(t)] = convert_tensor(t, device, None, "buffer")
+    for p in program.parameters():
+        memo[id(p)] = nn.Parameter(convert_tensor(p, device, dtype, "param"), requires_grad=p.requires_grad)
+    for b in program.buffers():
+        memo[id(b)] = convert_tensor(b, device, dtype, "buffer")
+    with warnings.catch_warnings():  # deep-copying pytree specs held by a program warns in torch >= 2.10
+        warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
+        clone = copy.deepcopy(program, memo)
+    return clone.train()
+
+
+def needs_input_grad(block: Block) -> list[bool]:
+    """Per argument: True for floating tensors produced by an earlier block (model inputs get no grad)."""
+    flags = []
+    for i, arg in enumerate(block.args):
+        from_model = (
+            block.inputs[i].producer < 0 if len(block.inputs) == len(block.args) else block.index == 0
+        )
+        flags.append(isinstance(arg, torch.Tensor) and arg.is_floating_point() and not from_model)
+    return flags
+
+
+def make_args(block: Block, device: torch.device, dtype: torch.dtype | None) -> tuple[Any, ...]:
+    """Fresh leaf copies of the block's arguments on ``device``; those that get a gradient require one."""
+
+    def conv(t: Any) -> Any:
+        return convert_tensor(t, device, dtype, "arg") if isinstance(t, torch.Tensor) else t
+
+    out = []
+    for arg, grad in zip(block.args, needs_input_grad(block), strict=True):
+        value = tree_map(conv, arg)
+        if grad:
+            value.requires_grad_(True)
+        out.append(value)
+    return tuple(out)
+
+
+def fresh_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Per-run inputs: leaves that require grad are cloned, so in-place ops in the block stay legal."""
+    return tuple(a.clone() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+
+
+def grad_outputs(outputs: Any) -> list[torch.Tensor]:
+    """The outputs backward starts from: floating tensors that require grad."""
+    leaves, _ = tree_flatten(outputs)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+
+def clear_grads(program: nn.Module, args: Iterable[Any]) -> None:
+    """Drop accumulated gradients so every run pays the same AccumulateGrad cost."""
+    for p in program.parameters():
+        p.grad = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a.grad = None
+
+
+def state_tensors(program: nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and constants of a program: saved copies of these are not activations."""
+    return [*program.parameters(), *program.buffers(), *attribute_tensors(program)]

@@ -1,0 +1,58 @@
+"""The meter of the tensors autograd saves for backward: a block's activation bytes, measured not guessed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the storage behind ``t`` (views share it; works on meta tensors)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):  # storage-less tensor subclasses
+        return id(t)
+
+
+class SavedTensorMeter:
+    """Bytes of the tensors autograd saves for backward, deduplicated by storage, parameters excluded.
+
+    Use :meth:`hooks` as the context manager around the forward.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {storage_key(t) for t in exclude}
+        self._saved: dict[int, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes saved so far."""
+        return sum(self._saved.values())
+
+    def nbytes_of(self, tensors: Iterable[Any]) -> int:
+        """Bytes saved so far whose storage is that of one of ``tensors`` (a block's inputs or outputs)."""
+        keys = {storage_key(t) for t in tensors if isinstance(t, torch.Tensor)}
+        return sum(n for key, n in self._saved.items() if key in keys)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Record ``t`` (once per storage) and save it unchanged."""
+        key = storage_key(t)
+        if key not in self._exclude and key not in self._saved:
+            try:
+                self._saved[key] = int(t.untyped_storage().nbytes())
+            except (RuntimeError, NotImplementedError):
+                self._saved[key] = t.numel() * t.element_size()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        """Hand the saved tensor back unchanged."""
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context manager that meters a forward."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -1,0 +1,55 @@
+"""CUDA tests of the measuring profiler: event timing, bfloat16, and agreement with the roofline estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopart.profile import profile
+from tests.unit.test_profile import F32, chain, mlp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_cuda_event_timing() -> None:
+    cap = mlp(64)
+    allocated = torch.cuda.memory_allocated()
+    prof = profile(cap, warmup=2, repeats=5)
+    assert prof.device.startswith("cuda:") and prof.meta["timer"] == "cuda_event"
+    for b in prof.blocks:
+        assert b.fwd_us > 0 and b.bwd_us > 0 and b.fwd_fixed_us <= 0.9 * b.fwd_us
+    assert prof.blocks[0].activation_bytes == 64 * 64 * F32
+    assert prof.meta["launch_spec"] != "cpu"
+    assert all(p.device.type == "cpu" and p.grad is None for p in cap.module.parameters())
+    assert torch.cuda.memory_allocated() <= allocated + (1 << 20)  # the copies are gone
+
+
+def test_bfloat16_on_cuda() -> None:
+    cap = chain(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)), torch.randn(32, 256))
+    full = profile(cap, device="cuda", repeats=3)
+    bf16 = profile(cap, device="cuda", dtype="bfloat16", repeats=3)
+    mixed = profile(cap, device="cuda", dtype="bf16-mixed", repeats=3)
+    assert bf16.dtype == "bfloat16" and bf16.blocks[0].param_bytes * 2 == full.blocks[0].param_bytes
+    assert [b.activation_bytes * 2 for b in bf16.blocks] == [b.activation_bytes for b in full.blocks]
+    assert mixed.dtype == "float32" and mixed.blocks[0].param_bytes == full.blocks[0].param_bytes
+    # autocast saves the bfloat16 copies of the input and of the weight it made for the matmul
+    assert mixed.blocks[0].activation_bytes == 32 * 256 * 2 + 512 * 256 * 2
+    assert all(b.fwd_us > 0 and b.bwd_us > 0 for b in (*bf16.blocks, *mixed.blocks))
+    est = profile(cap, "estimate", dtype="bfloat16")
+    assert est.device != "cpu" and est.meta["peak_flops"] > 1e14
+
+
+def test_estimate_is_in_the_right_range_of_a_measurement() -> None:
+    """A large matmul chain is compute bound: the roofline of the matching spec lands within 4x."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)])
+        x = torch.randn(2048, 4096)
+    real = chain(nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]), torch.randn(2048, 4096))
+    measured = profile(real, dtype="bfloat16", repeats=5)
+    estimated = profile(chain(model, x), "estimate", dtype="bfloat16")  # spec matched to the device name
+    ratio = sum(b.fwd_us for b in estimated.blocks) / sum(b.fwd_us for b in measured.blocks)
+    assert 0.25 < ratio < 4.0
