@@ -1,0 +1,160 @@
+"""Turn a scored partition into a :class:`~lightning_autopart.plan.Plan`, or into a PlanError with a memory table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_autopart.cluster import Cluster, format_bytes
+from lightning_autopart.errors import PlanError
+from lightning_autopart.partition.cost import CostTables, Evaluation
+from lightning_autopart.partition.placement import stage_ranks
+from lightning_autopart.plan import Plan, Prediction, StagePlan
+from lightning_autopart.records import ModelProfile
+
+__all__ = ["build_plan", "infeasible_error", "memory_table"]
+
+#: Rows of the memory table shown before eliding the rest.
+_MAX_ROWS = 24
+
+
+def _ranges(indices: list[int]) -> str:
+    """Compact "0-3, 7, 9-12" form of sorted indices."""
+    parts = []
+    start = prev = indices[0]
+    for x in [*indices[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
+
+
+def build_plan(
+    profile: ModelProfile, cluster: Cluster, batch_size: int, ev: Evaluation, notes: dict[str, Any]
+) -> Plan:
+    """The Plan of evaluation ``ev`` (stages, ranks, predictions); ``notes`` goes into ``Plan.notes``."""
+    cfg = ev.config
+    stages = []
+    for sc in ev.stages:
+        blocks = profile.blocks[sc.block_start : sc.block_end]
+        modules: dict[str, None] = {}
+        for b in blocks:
+            modules.update(dict.fromkeys(b.modules))
+        stages.append(
+            StagePlan(
+                index=sc.index,
+                block_start=sc.block_start,
+                block_end=sc.block_end,
+                blocks=tuple(b.name for b in blocks),
+                modules=tuple(modules),
+                ranks=stage_ranks(sc.index % cfg.stages, cfg.stages, cfg.replicas, cfg.layout),
+                checkpoint=sc.checkpoint,
+                param_count=sc.param_count,
+                fwd_us=sc.fwd_us,
+                bwd_us=sc.bwd_us,
+                p2p_us=sc.p2p_us,
+                allreduce_us=sc.allreduce_us,
+                param_bytes=sc.param_bytes,
+                grad_bytes=sc.grad_bytes,
+                optimizer_bytes=sc.optimizer_bytes,
+                activation_bytes=sc.activation_bytes,
+                in_flight=sc.in_flight,
+                memory_bytes=sc.memory_bytes,
+            )
+        )
+    bn = ev.stages[ev.bottleneck]
+    v, mb = cfg.chunks, cfg.micro_batches
+    step = ev.step_us
+    prediction = Prediction(
+        step_us=step,
+        compute_us=v * mb * (bn.fwd_us + bn.bwd_us),
+        bubble_us=(cfg.stages - 1) * bn.time_us,
+        p2p_us=v * mb * bn.p2p_us,
+        allreduce_us=v * bn.allreduce_us,
+        samples_per_s=batch_size / (step / 1e6) if step > 0 else float("inf"),
+        peak_memory_bytes=ev.peak_memory_bytes,
+    )
+    ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
+    notes = dict(notes)
+    notes["bottleneck_stage"] = ev.bottleneck
+    if ckpt:
+        notes["checkpointing"] = (
+            f"{len(ckpt)} of {len(ev.stages)} stages ({_ranges(ckpt)}) recompute activations in backward: "
+            f"without it they exceed "
+            f"{format_bytes(cluster.usable_memory_bytes // v)} per {'chunk' if v > 1 else 'device'}"
+        )
+    return Plan(
+        fingerprint=profile.fingerprint(),
+        cluster=cluster,
+        batch_size=batch_size,
+        micro_batches=mb,
+        micro_batch_size=batch_size // (cfg.replicas * mb),
+        schedule=cfg.schedule,
+        chunks_per_rank=v,
+        stages=tuple(stages),
+        prediction=prediction,
+        optimizer=profile.optimizer,
+        profile_mode=profile.mode,
+        device=profile.device,
+        layout=cfg.layout,
+        notes=notes,
+    )
+
+
+def memory_table(ev: Evaluation) -> str:
+    """Per-stage memory table (params / grads / optimizer / activations / total vs limit) of ``ev``."""
+    head = ("stage", "blocks", "params", "grads", "optimizer", "activations", "total", "limit", "")
+    rows = []
+    stages = list(ev.stages)
+    over = [s for s in stages if not s.fits]
+    shown = stages if len(stages) <= _MAX_ROWS else sorted(over or stages, key=lambda s: -s.memory_bytes)
+    shown = sorted(shown[:_MAX_ROWS], key=lambda s: s.index)
+    for s in shown:
+        rows.append(
+            (
+                str(s.index),
+                f"{s.block_start}..{s.block_end - 1}",
+                format_bytes(s.param_bytes),
+                format_bytes(s.grad_bytes),
+                format_bytes(s.optimizer_bytes),
+                format_bytes(s.activation_bytes + s.buffer_bytes),
+                format_bytes(s.memory_bytes),
+                format_bytes(s.limit_bytes),
+                "OVER" if not s.fits else "ok",
+            )
+        )
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
+    if len(shown) < len(stages):
+        lines.append(f"... {len(stages) - len(shown)} more stages not shown (the largest ones are listed)")
+    return "\n".join(lines)
+
+
+def infeasible_error(
+    profile: ModelProfile, tables: CostTables, batch_size: int, ev: Evaluation | None, plan: Plan | None
+) -> PlanError:
+    """The PlanError for 'nothing fits', naming the closest plan and what to change."""
+    cl = tables.cluster
+    fix = (
+        "add devices, enable activation checkpointing, use a smaller micro-batch or an optimizer with less state "
+        "(e.g. 'sgd' instead of 'adam')"
+    )
+    head = (
+        f"no plan for {profile.model} fits in {format_bytes(cl.usable_memory_bytes)} usable memory per device "
+        f"({format_bytes(cl.device_memory_bytes)} with {cl.memory_reserve:.0%} reserved) at global batch "
+        f"{batch_size} on {cl.world_size} devices ({cl.nodes} x {cl.devices_per_node})"
+    )
+    if ev is None:
+        return PlanError(f"{head}; even one block does not fit: {fix}")
+    cfg = ev.config
+    worst = max(ev.stages, key=lambda s: s.memory_bytes / max(1, s.limit_bytes))
+    mbs = batch_size // (cfg.replicas * cfg.micro_batches)
+    msg = (
+        f"{head}.\nClosest plan: {cfg.stages} stage(s) x {cfg.replicas} replica(s), {cfg.micro_batches} "
+        f"micro-batch(es) of {mbs} sample(s), {cfg.schedule}; stage {worst.index} needs "
+        f"{format_bytes(worst.memory_bytes)} > {format_bytes(worst.limit_bytes)}.\n"
+        f"{memory_table(ev)}\nTo fix: {fix}."
+    )
+    return PlanError(msg, closest=plan)

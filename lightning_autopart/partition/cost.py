@@ -1,0 +1,337 @@
+"""The planner's cost model: time and memory of a pipeline stage, and the step time of a whole partition.
+
+Notation: ``L`` blocks profiled at ``b0`` samples; global batch ``B``; ``r`` replicas; pipeline depth ``S``;
+``v`` chunks per rank (2 for Interleaved1F1B, else 1); ``V = S*v`` virtual stages; ``M`` micro-batches of
+``m = B / (r*M)`` samples. A (virtual) stage ``k`` holds blocks ``[i, j)`` and sits at position ``p = k % S``.
+
+Per block at ``m`` samples::
+
+    f_k = fwd_fixed_us + (fwd_us - fwd_fixed_us) * m / b0         (likewise b_k for backward)
+    a_k = activation_bytes * m / b0,   c_k = cut_bytes * m / b0,   c_{-1} = c_in = input_bytes * m / b0
+
+Per stage, with prefix sums so that every interval costs O(1)::
+
+    F = sum f_k, Bw = sum b_k                                 over k in [i, j)
+    static = params + grads + optimizer + buffers            (+ a full copy of each tied parameter the
+                                                              stage uses but whose owner block it lacks)
+    in_flight = M (GPipe) | min(S - p, M) (1F1B)
+              | min(M, ceil((S - p) * (1 + (S - 1) / (S*v))))  (Interleaved1F1B, per chunk)
+    memory_off = static + in_flight * sum a_k
+    memory_on  = static + in_flight * c_{i-1} + sum a_k      (checkpointing: keep only the stage input per
+                                                              micro-batch, recompute one micro-batch at a time)
+    checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
+    p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
+    t = F + Bw + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
+    a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
+    w = K * t + v * a,   K = v*M + S - 1
+
+and the step time of a partition is ``T = max over virtual stages of w`` (a synchronous clock: every tick lasts
+as long as the slowest stage; a stage's all-reduce follows its last backward). Links and all-reduce groups are
+intra- or inter-node per the rank layout (:mod:`.placement`). A device's peak memory is the sum over the
+chunks it holds (one chunk unless interleaved). Memory is compared in exact integers
+(``v * (b0 * static + m * activation_units) <= b0 * usable``), so feasibility never depends on rounding.
+
+:func:`evaluate` scores any given partition with exactly these formulas; the DP (:mod:`.dp`) evaluates the
+same expressions in the same order, so its optimum and a brute force over :func:`evaluate` agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from lightning_autopart.cluster import Cluster
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.partition.placement import LAYOUTS, link_pattern
+from lightning_autopart.partition.tables import CostTables, TiedCopy
+from lightning_autopart.plan import SCHEDULES
+from lightning_autopart.records import ModelProfile
+
+__all__ = [
+    "CHUNKS",
+    "INF",
+    "Config",
+    "ConfigCosts",
+    "CostTables",
+    "Evaluation",
+    "StageCost",
+    "TiedCopy",
+    "check_config",
+    "config_costs",
+    "evaluate",
+    "evaluate_config",
+    "in_flight",
+    "stage_cost",
+]
+
+INF = float("inf")
+
+#: Model chunks per rank for each schedule.
+CHUNKS = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One point of the outer search: replicas, pipeline depth, micro-batches, schedule and rank layout."""
+
+    replicas: int
+    stages: int
+    micro_batches: int
+    schedule: str
+    layout: str = "pipeline-major"
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank (``v``)."""
+        return CHUNKS[self.schedule]
+
+    @property
+    def virtual_stages(self) -> int:
+        """``V = S * v``."""
+        return self.stages * CHUNKS[self.schedule]
+
+    @property
+    def ticks(self) -> int:
+        """``K = v*M + S - 1``: clock ticks of one step."""
+        return CHUNKS[self.schedule] * self.micro_batches + self.stages - 1
+
+
+def check_config(cfg: Config, num_blocks: int, world_size: int, batch_size: int) -> str | None:
+    """Why ``cfg`` is not a valid configuration (schedule constraints of torch.distributed.pipelining), or None."""
+    r, s, mb = cfg.replicas, cfg.stages, cfg.micro_batches
+    if cfg.schedule not in SCHEDULES:
+        return f"unknown schedule {cfg.schedule!r}"
+    if cfg.layout not in LAYOUTS:
+        return f"unknown layout {cfg.layout!r}"
+    if r < 1 or s < 1 or mb < 1:
+        return "replicas, stages and micro-batches must be >= 1"
+    if batch_size % r or (batch_size // r) % mb:
+        return f"batch {batch_size} does not split into {r} replicas x {mb} micro-batches"
+    if s * r > world_size:
+        return f"{s} stages x {r} replicas need more than {world_size} devices"
+    if cfg.virtual_stages > num_blocks:
+        return f"{cfg.virtual_stages} virtual stages exceed {num_blocks} blocks"
+    if s == 1 and cfg.schedule != "GPipe":
+        return "a single stage runs only as GPipe (data parallel with gradient accumulation)"
+    if cfg.schedule in ("1F1B", "Interleaved1F1B") and mb < s:
+        return f"{cfg.schedule} needs micro-batches >= stages ({mb} < {s})"
+    if cfg.schedule == "Interleaved1F1B" and mb % s:
+        return f"Interleaved1F1B needs micro-batches divisible by stages ({mb} % {s} != 0)"
+    return None
+
+
+def in_flight(schedule: str, stages: int, position: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage (chunk) at ``position`` holds at peak under ``schedule``."""
+    if schedule == "GPipe":
+        return micro_batches
+    if schedule == "1F1B":
+        return min(stages - position, micro_batches)
+    v = CHUNKS[schedule]
+    # ceil((S - p) * (1 + (S - 1) / (S * v))) in exact integer arithmetic.
+    held = -(-(stages - position) * (stages * v + stages - 1) // (stages * v))
+    return min(micro_batches, held)
+
+
+@dataclass(slots=True)
+class ConfigCosts:
+    """Everything per (virtual) stage that a configuration fixes: clock ticks, in-flight counts, links."""
+
+    cfg: Config
+    m: int
+    v: int
+    ticks: int
+    checkpointing: bool
+    pf: list[float]
+    pb: list[float]
+    #: Per virtual stage: in-flight micro-batches, p2p arrays of its input and output links, all-reduce terms.
+    in_flight: list[int] = field(default_factory=list)
+    p2p_in: list[list[float]] = field(default_factory=list)
+    p2p_out: list[list[float]] = field(default_factory=list)
+    ar_coef: list[float] = field(default_factory=list)
+    ar_const: list[float] = field(default_factory=list)
+
+
+def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> ConfigCosts:
+    """Precompute the per-stage constants of ``cfg`` (see the module docstring for the formulas)."""
+    cl = tables.cluster
+    s, r, v = cfg.stages, cfg.replicas, cfg.chunks
+    m = batch_size // (r * cfg.micro_batches)
+    pf, pb, _ = tables.times(m)
+    cc = ConfigCosts(cfg, m, v, cfg.ticks, checkpointing, pf, pb)
+    pat = link_pattern(s, r, cl.devices_per_node, cfg.layout)
+    intra, inter = tables.p2p(m, True), tables.p2p(m, False)
+    out = [intra if x else inter for x in pat.p2p_intra]
+    cc.in_flight = [in_flight(cfg.schedule, s, p, cfg.micro_batches) for p in range(s)] * v
+    cc.p2p_out = out * v
+    cc.p2p_in = [out[p - 1] for p in range(s)] * v
+    if r == 1:
+        cc.ar_coef = [0.0] * (s * v)
+        cc.ar_const = [0.0] * (s * v)
+    else:
+        ci = 2 * (r - 1) / r / cl.intra_allreduce_bw * 1e6
+        ce = 2 * (r - 1) / r / cl.inter_allreduce_bw * 1e6
+        cc.ar_coef = [ci if x else ce for x in pat.allreduce_intra] * v
+        cc.ar_const = [2 * (r - 1) * cl.latency_us] * (s * v)
+    return cc
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Time and memory of one (virtual) stage under one configuration."""
+
+    index: int
+    block_start: int
+    block_end: int
+    fits: bool
+    checkpoint: bool
+    fwd_us: float
+    bwd_us: float
+    p2p_us: float
+    allreduce_us: float
+    #: Per-micro-batch time ``t`` and the stage's step-time term ``w = K*t + v*a``.
+    time_us: float
+    term_us: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    activation_bytes: int
+    in_flight: int
+    memory_bytes: int
+    limit_bytes: int
+    param_count: int
+
+
+def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
+    """Cost of virtual stage ``k`` holding blocks ``[i, j)``; when it does not fit, the smaller memory is shown."""
+    v, m, b0 = cc.v, cc.m, tables.b0
+    tp, tg, to, tn = tables.tied_extra(i, j)
+    st = tables.static[j] - tables.static[i] + tp + tg + to
+    a_sum = tables.acts[j] - tables.acts[i]
+    infl = cc.in_flight[k]
+    units_off = infl * a_sum
+    units_on = infl * tables.stage_input[i] + a_sum
+    fits = True
+    if v * (b0 * st + m * units_off) <= tables.cap:
+        ck, units = False, units_off
+    elif cc.checkpointing and v * (b0 * st + m * units_on) <= tables.cap:
+        ck, units = True, units_on
+    else:
+        fits = False
+        ck = cc.checkpointing and units_on < units_off
+        units = units_on if ck else units_off
+    pf, pb = cc.pf, cc.pb
+    f = pf[j] - pf[i]
+    fb = f + (pb[j] - pb[i])
+    comp = fb + f if ck else fb
+    pin = cc.p2p_in[k][i]
+    pout = cc.p2p_out[k][j]
+    t = comp + pin + pout
+    grad = tables.grads[j] - tables.grads[i] + tg
+    a = cc.ar_coef[k] * grad + cc.ar_const[k] if cc.cfg.replicas > 1 else 0.0
+    w = cc.ticks * t + v * a if cc.cfg.replicas > 1 else cc.ticks * t
+    act = -(-m * units // b0)
+    buf = tables.buffers[j] - tables.buffers[i]
+    return StageCost(
+        index=k,
+        block_start=i,
+        block_end=j,
+        fits=fits,
+        checkpoint=ck,
+        fwd_us=f,
+        bwd_us=comp - f,
+        p2p_us=pin + pout,
+        allreduce_us=a,
+        time_us=t,
+        term_us=w,
+        param_bytes=tables.params[j] - tables.params[i] + tp,
+        grad_bytes=tables.grads[j] - tables.grads[i] + tg,
+        optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
+        buffer_bytes=buf,
+        activation_bytes=act,
+        in_flight=infl,
+        memory_bytes=st + act,
+        limit_bytes=tables.usable // v,
+        param_count=tables.counts[j] - tables.counts[i] + tn,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """A scored partition: its configuration, boundaries, per-stage costs and step time."""
+
+    config: Config
+    boundaries: tuple[int, ...]
+    stages: tuple[StageCost, ...]
+    fits: bool
+    step_us: float
+    #: Index of the stage with the largest term (the bottleneck).
+    bottleneck: int
+    #: Largest memory of one device (sum of the chunks it holds).
+    peak_memory_bytes: int
+
+    @property
+    def max_excess(self) -> float:
+        """Largest ``memory / limit`` over stages (> 1 means it does not fit)."""
+        return max(s.memory_bytes / max(1, s.limit_bytes) for s in self.stages)
+
+
+def evaluate_config(
+    tables: CostTables, cfg: Config, batch_size: int, boundaries: tuple[int, ...], checkpointing: bool = True
+) -> Evaluation:
+    """Score ``boundaries`` (``0 = b_0 < b_1 < ... < b_V = L``) under a valid ``cfg``, fitting or not."""
+    cc = config_costs(tables, cfg, batch_size, checkpointing)
+    stages = tuple(
+        stage_cost(tables, cc, k, boundaries[k], boundaries[k + 1]) for k in range(len(boundaries) - 1)
+    )
+    bottleneck = max(range(len(stages)), key=lambda k: stages[k].term_us)
+    per_rank = [0] * cfg.stages
+    for st in stages:
+        per_rank[st.index % cfg.stages] += st.memory_bytes
+    return Evaluation(
+        config=cfg,
+        boundaries=tuple(boundaries),
+        stages=stages,
+        fits=all(s.fits for s in stages),
+        step_us=stages[bottleneck].term_us,
+        bottleneck=bottleneck,
+        peak_memory_bytes=max(per_rank),
+    )
+
+
+def evaluate(
+    profile: ModelProfile,
+    cluster: Cluster,
+    batch_size: int,
+    boundaries: list[int] | tuple[int, ...],
+    replicas: int,
+    micro_batches: int,
+    schedule: str,
+    layout: str | None = None,
+    *,
+    checkpointing: bool = True,
+    tables: CostTables | None = None,
+) -> Evaluation | None:
+    """Score any partition with the planner's cost model; None when it does not fit in memory.
+
+    ``boundaries`` has ``V + 1`` entries from 0 to L (``V = stages * chunks``). With ``layout=None`` both layouts
+    are scored and the faster one is returned. Raises ConfigError for an invalid configuration.
+    """
+    tables = tables if tables is not None else CostTables(profile, cluster)
+    b = tuple(boundaries)
+    n = tables.num_blocks
+    if len(b) < 2 or b[0] != 0 or b[-1] != n or any(x >= y for x, y in pairwise(b)):
+        raise ConfigError(f"boundaries must rise strictly from 0 to {n}, got {list(b)}")
+    v = CHUNKS.get(schedule, 1)
+    if (len(b) - 1) % v:
+        raise ConfigError(f"{schedule} needs a multiple of {v} stages, got {len(b) - 1}")
+    best: Evaluation | None = None
+    for lay in (layout,) if layout is not None else LAYOUTS:
+        cfg = Config(replicas, (len(b) - 1) // v, micro_batches, schedule, lay)
+        why = check_config(cfg, n, cluster.world_size, batch_size)
+        if why is not None:
+            raise ConfigError(f"invalid configuration: {why}")
+        ev = evaluate_config(tables, cfg, batch_size, b, checkpointing)
+        if ev.fits and (best is None or ev.step_us < best.step_us):
+            best = ev
+    return best

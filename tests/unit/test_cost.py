@@ -1,0 +1,225 @@
+"""The cost model's formulas on hand-computed examples."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_autopart.cluster import Cluster
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.partition.cost import (
+    Config,
+    CostTables,
+    check_config,
+    config_costs,
+    evaluate,
+    evaluate_config,
+    in_flight,
+    stage_cost,
+)
+from lightning_autopart.partition.placement import link_pattern, rank_of, stage_ranks
+from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+
+
+def _block(name: str, fwd: float, ffix: float, act: int, cut: int, params: int, buf: int = 0) -> BlockProfile:
+    return BlockProfile(
+        name=name,
+        modules=(name,),
+        param_shapes=((f"{name}.w", (params // 4,)),),
+        param_count=params // 4,
+        param_bytes=params,
+        grad_bytes=params,
+        optimizer_bytes=2 * params,
+        buffer_bytes=buf,
+        fwd_us=fwd,
+        bwd_us=2 * fwd,
+        fwd_fixed_us=ffix,
+        bwd_fixed_us=2 * ffix,
+        activation_bytes=act,
+        cut_bytes=cut,
+    )
+
+
+#: Three blocks profiled at batch 2. At m = 1 sample: f = 60, 30, 40; b = 120, 60, 80 (microseconds);
+#: activations 500, 300, 400 bytes; cuts 200, 100 (after blocks 0 and 1); input 150 bytes.
+PROFILE = ModelProfile(
+    model="Toy",
+    blocks=(
+        _block("a", 100.0, 20.0, 1000, 400, 100, buf=10),
+        _block("b", 50.0, 10.0, 600, 200, 40),
+        _block("c", 80.0, 0.0, 800, 50, 60),
+    ),
+    batch_size=2,
+    input_bytes=300,
+    optimizer="adam",
+)
+
+
+def _cluster(memory: int = 10**9, nodes: int = 1, per_node: int = 4) -> Cluster:
+    return Cluster(
+        nodes=nodes,
+        devices_per_node=per_node,
+        device_memory_bytes=memory,
+        intra_node_bw=1e6,
+        inter_node_bw=1e5,
+        intra_allreduce_bw=1e3,
+        inter_allreduce_bw=1e2,
+        latency_us=5.0,
+        memory_reserve=0.0,
+    )
+
+
+def test_block_times_scale_with_micro_batch() -> None:
+    tables = CostTables(PROFILE, _cluster())
+    pf, pb, big = tables.times(1)
+    assert pf == pytest.approx([0, 60, 90, 130])  # 20 + 80*1/2, 10 + 40/2, 0 + 80/2
+    assert pb == pytest.approx([0, 120, 180, 260])
+    assert big == pytest.approx(180)
+    pf4, _, _ = tables.times(4)
+    assert pf4[1] == pytest.approx(20 + 80 * 4 / 2)
+
+
+def test_p2p_time_of_each_cut() -> None:
+    tables = CostTables(PROFILE, _cluster())
+    # x[j] sends the cut before block j: 200 bytes (at m=1) / 1e6 B/s = 200 us, + 5 us latency.
+    assert tables.p2p(1, True) == pytest.approx([0.0, 205.0, 105.0, 0.0])
+    assert tables.p2p(1, False) == pytest.approx([0.0, 2005.0, 1005.0, 0.0])
+
+
+def test_in_flight_per_schedule() -> None:
+    assert in_flight("GPipe", 4, 3, 8) == 8
+    assert [in_flight("1F1B", 4, p, 8) for p in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1F1B", 4, 0, 2) == 2
+    # ceil((S - p) * (1 + (S - 1) / (S * v))) with S=4, v=2: 4 * 1.375 = 5.5 -> 6; 1 * 1.375 -> 2.
+    assert in_flight("Interleaved1F1B", 4, 0, 8) == 6
+    assert in_flight("Interleaved1F1B", 4, 3, 8) == 2
+    assert in_flight("Interleaved1F1B", 4, 0, 4) == 4
+
+
+def test_two_stage_gpipe_step_time() -> None:
+    tables = CostTables(PROFILE, _cluster())
+    ev = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3))
+    s0, s1 = ev.stages
+    # Stage 0: F = 90, Bw = 180, sends the 100-byte cut after block 1: 105 us. t = 375, K = 4 + 2 - 1 = 5.
+    assert (s0.fwd_us, s0.bwd_us, s0.p2p_us, s0.time_us) == pytest.approx((90, 180, 105, 375))
+    assert s0.term_us == pytest.approx(5 * 375)
+    # Stage 1: F = 40, Bw = 80, sends input gradients back over the same cut. t = 225.
+    assert s1.term_us == pytest.approx(5 * 225)
+    assert ev.step_us == pytest.approx(1875) and ev.bottleneck == 0
+    assert s0.allreduce_us == 0.0 and not s0.checkpoint
+
+
+def test_allreduce_ring_formula() -> None:
+    tables = CostTables(PROFILE, _cluster())
+    ev = evaluate_config(tables, Config(2, 1, 2, "GPipe"), 4, (0, 3))
+    (s,) = ev.stages
+    # 2(r-1)/r * 200 grad bytes / 1e3 B/s * 1e6 + 2(r-1) * 5 us = 200010 us; K = 2; t = 130 + 260.
+    assert s.allreduce_us == pytest.approx(200_010)
+    assert ev.step_us == pytest.approx(2 * 390 + 200_010)
+
+
+def test_allreduce_across_nodes_uses_inter_bandwidth() -> None:
+    tables = CostTables(PROFILE, _cluster(nodes=2, per_node=1))
+    ev = evaluate_config(tables, Config(2, 1, 2, "GPipe"), 4, (0, 3))
+    assert ev.stages[0].allreduce_us == pytest.approx(200 / 1e2 * 1e6 + 10)
+
+
+def test_checkpointing_turns_on_only_where_needed() -> None:
+    # Stage 0 static: (100+100+200+10) + (40+40+80) = 570 bytes; activations per micro-batch 800 bytes.
+    # Plain: 570 + 4*800 = 3770 > 2000. Checkpointed: 570 + 4*150 (input) + 800 = 1970 <= 2000.
+    # Stage 1: 240 + 4*400 = 1840 <= 2000, no checkpointing.
+    tables = CostTables(PROFILE, _cluster(memory=2000))
+    ev = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3))
+    s0, s1 = ev.stages
+    assert s0.checkpoint and s0.fits and s0.memory_bytes == 1970 and s0.activation_bytes == 1400
+    assert s0.bwd_us == pytest.approx(180 + 90)  # recompute of the forward
+    assert s0.time_us == pytest.approx(90 + 270 + 105)
+    assert not s1.checkpoint and s1.memory_bytes == 1840
+    assert (s0.param_bytes, s0.grad_bytes, s0.optimizer_bytes) == (140, 140, 280)
+    assert ev.fits and ev.peak_memory_bytes == 1970
+
+
+def test_not_fitting_reports_memory_and_evaluate_returns_none() -> None:
+    tables = CostTables(PROFILE, _cluster(memory=1900))
+    ev = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3))
+    assert not ev.fits and not ev.stages[0].fits and ev.max_excess > 1
+    assert evaluate(PROFILE, _cluster(memory=1900), 4, [0, 2, 3], 1, 4, "GPipe", tables=tables) is None
+    ev2 = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3), checkpointing=False)
+    assert not ev2.stages[0].checkpoint and ev2.stages[0].memory_bytes == 3770
+
+
+def test_one_f_one_b_holds_fewer_micro_batches() -> None:
+    # 1F1B, S=2: stage 0 holds 2 micro-batches, stage 1 holds 1: 570 + 2*800 = 2170 > 2000 -> checkpoint.
+    tables = CostTables(PROFILE, _cluster(memory=2000))
+    ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3))
+    assert [s.in_flight for s in ev.stages] == [2, 1]
+    assert ev.stages[0].memory_bytes == 570 + 2 * 150 + 800
+    assert ev.stages[1].memory_bytes == 240 + 400
+
+
+def test_interleaved_chunks_and_step_time() -> None:
+    prof = ModelProfile("Toy4", (*PROFILE.blocks, _block("d", 80.0, 0.0, 800, 50, 60)), 2, 300)
+    tables = CostTables(prof, _cluster())
+    cfg = Config(1, 2, 2, "Interleaved1F1B")
+    ev = evaluate_config(tables, cfg, 2, (0, 1, 2, 3, 4))
+    # K = v*M + S - 1 = 2*2 + 1 = 5; chunk 1 (block b, position 1): F=30, Bw=60, p2p in 205 + out 105.
+    assert ev.stages[1].term_us == pytest.approx(5 * (90 + 205 + 105))
+    assert [s.index % 2 for s in ev.stages] == [0, 1, 0, 1]
+    # Each chunk must fit in usable / v.
+    assert all(s.limit_bytes == tables.usable // 2 for s in ev.stages)
+    # The rank holding chunks 0 and 2 adds both chunks' memory.
+    assert ev.peak_memory_bytes == max(
+        ev.stages[0].memory_bytes + ev.stages[2].memory_bytes,
+        ev.stages[1].memory_bytes + ev.stages[3].memory_bytes,
+    )
+
+
+def test_tied_parameter_copy_counted_once_per_stage() -> None:
+    tied = ModelProfile(
+        "Tied", PROFILE.blocks, 2, 300, tied=(TiedParam("a.w", 40, (0, 2)),), optimizer="adam"
+    )
+    tables = CostTables(tied, _cluster())
+    cc = config_costs(tables, Config(1, 2, 4, "GPipe"), 4)
+    owner = stage_cost(tables, cc, 0, 0, 2)
+    copy = stage_cost(tables, cc, 1, 2, 3)
+    assert owner.param_bytes == 140  # the owner block already counts it
+    assert (copy.param_bytes, copy.grad_bytes, copy.optimizer_bytes) == (60 + 40, 60 + 40, 120 + 80)
+    assert copy.param_count == 15 + 25  # its shape in block a: (25,)
+    both = stage_cost(tables, cc, 0, 0, 3)
+    assert both.param_bytes == 200
+
+
+def test_config_validity_rules() -> None:
+    assert check_config(Config(1, 2, 1, "1F1B"), 3, 4, 4) is not None  # M < S
+    assert check_config(Config(1, 2, 3, "Interleaved1F1B"), 4, 4, 6) is not None  # M % S
+    assert check_config(Config(1, 2, 2, "Interleaved1F1B"), 3, 4, 4) is not None  # V = 4 > 3 blocks
+    assert check_config(Config(1, 1, 2, "1F1B"), 3, 4, 4) is not None  # one stage: GPipe only
+    assert check_config(Config(3, 1, 1, "GPipe"), 3, 4, 4) is not None  # 3 does not divide 4
+    assert check_config(Config(2, 3, 2, "GPipe"), 3, 4, 4) is not None  # 6 devices > 4
+    assert check_config(Config(2, 2, 2, "1F1B"), 3, 4, 8) is None
+    with pytest.raises(ConfigError, match="boundaries"):
+        evaluate(PROFILE, _cluster(), 4, [0, 2, 2, 3], 1, 1, "GPipe")
+    with pytest.raises(ConfigError, match="invalid configuration"):
+        evaluate(PROFILE, _cluster(), 4, [0, 2, 3], 1, 1, "1F1B")
+
+
+def test_layouts_and_links() -> None:
+    # 2 nodes x 2 devices, S = 2, r = 2.
+    assert [rank_of(q, p, 2, 2, "pipeline-major") for q in (0, 1) for p in (0, 1)] == [0, 1, 2, 3]
+    assert stage_ranks(0, 2, 2, "stage-major") == (0, 1)
+    assert stage_ranks(0, 2, 2, "pipeline-major") == (0, 2)
+    pm = link_pattern(2, 2, 2, "pipeline-major")
+    assert pm.p2p_intra[0] and pm.allreduce_intra == (False, False)
+    sm = link_pattern(2, 2, 2, "stage-major")
+    assert not sm.p2p_intra[0] and sm.allreduce_intra == (True, True)
+    with pytest.raises(ValueError):
+        rank_of(0, 0, 1, 1, "diagonal")
+
+
+def test_evaluate_picks_faster_layout() -> None:
+    cl = _cluster(nodes=2, per_node=2)
+    ev = evaluate(PROFILE, cl, 8, [0, 2, 3], 2, 2, "GPipe")
+    assert ev is not None
+    other = [
+        evaluate(PROFILE, cl, 8, [0, 2, 3], 2, 2, "GPipe", lay) for lay in ("pipeline-major", "stage-major")
+    ]
+    assert ev.step_us == min(e.step_us for e in other if e is not None)

@@ -1,0 +1,258 @@
+"""The planner against brute force: every composition of blocks x every configuration, same cost model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from lightning_autopart.cluster import Cluster
+from lightning_autopart.errors import PlanError
+from lightning_autopart.partition import partition
+from lightning_autopart.partition.cost import (
+    INF,
+    Config,
+    CostTables,
+    config_costs,
+    evaluate,
+    evaluate_config,
+    stage_cost,
+)
+from lightning_autopart.partition.dp import Relaxation, solve
+from lightning_autopart.partition.placement import LAYOUTS
+from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _valid(schedule: str, s: int, r: int, mb: int, n: int, world: int) -> bool:
+    """The schedule constraints, restated independently of the planner."""
+    v = 2 if schedule == "Interleaved1F1B" else 1
+    if s * r > world or s * v > n:
+        return False
+    if s == 1:
+        return schedule == "GPipe"
+    if schedule == "1F1B":
+        return mb >= s
+    if schedule == "Interleaved1F1B":
+        return mb >= s and mb % s == 0
+    return True
+
+
+def _compositions(n: int, parts: int) -> list[tuple[int, ...]]:
+    return [(0, *cut, n) for cut in itertools.combinations(range(1, n), parts - 1)]
+
+
+def brute_force(
+    tables: CostTables, batch: int, schedules: tuple[str, ...], max_mb: int, checkpointing: bool
+) -> tuple[float, Config | None, tuple[int, ...]]:
+    """Smallest step time over every configuration, layout and composition (INF when nothing fits)."""
+    n, world = tables.num_blocks, tables.cluster.world_size
+    best: tuple[float, Config | None, tuple[int, ...]] = (INF, None, ())
+    for r in _divisors(batch):
+        for mb in [d for d in _divisors(batch // r) if d <= max_mb]:
+            for s in range(1, world + 1):
+                for sched in schedules:
+                    if not _valid(sched, s, r, mb, n, world):
+                        continue
+                    v = 2 if sched == "Interleaved1F1B" else 1
+                    for lay in LAYOUTS:
+                        cfg = Config(r, s, mb, sched, lay)
+                        cc = config_costs(tables, cfg, batch, checkpointing)
+                        memo: dict[tuple[int, int, int], tuple[bool, float]] = {}
+                        for bounds in _compositions(n, s * v):
+                            worst = 0.0
+                            for k in range(s * v):
+                                key = (k, bounds[k], bounds[k + 1])
+                                if key not in memo:
+                                    sc = stage_cost(tables, cc, *key)
+                                    memo[key] = (sc.fits, sc.term_us)
+                                fits, term = memo[key]
+                                if not fits:
+                                    worst = INF
+                                    break
+                                worst = max(worst, term)
+                            if worst < best[0]:
+                                best = (worst, cfg, bounds)
+    return best
+
+
+@st.composite
+def instances(
+    draw: st.DrawFn, pipeline: bool = False
+) -> tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool]:
+    """Random small instances; ``pipeline`` biases them towards deep pipelines (equal layers, slow all-reduce)."""
+    n = draw(st.sampled_from([4, 6, 7]) if pipeline else st.integers(1, 7))
+    b0 = draw(st.sampled_from([1, 2, 4]))
+    blocks = []
+    uniform = pipeline or draw(st.booleans())  # transformer-like
+    fixed = (
+        0.1 if pipeline else 1.0
+    )  # launch overheads penalise many small chunks: equal layers, where interleaving pays off
+    fwd0, bwd0 = draw(st.floats(1.0, 1000.0)), draw(st.floats(1.0, 2000.0))
+    for k in range(n):
+        fwd = fwd0 if uniform else draw(st.floats(1.0, 1000.0))
+        bwd = bwd0 if uniform else draw(st.floats(1.0, 2000.0))
+        params = draw(st.integers(0, 4000))
+        skip_heavy = not pipeline and draw(st.booleans())
+        blocks.append(
+            BlockProfile(
+                name=f"b{k}",
+                modules=(f"m{k}",),
+                param_shapes=((f"m{k}.w", (params,)),),
+                param_count=params,
+                param_bytes=4 * params,
+                grad_bytes=4 * params,
+                optimizer_bytes=draw(st.sampled_from([0, 4, 8])) * params,
+                buffer_bytes=draw(st.integers(0, 500)),
+                fwd_us=fwd,
+                bwd_us=bwd,
+                fwd_fixed_us=fwd * draw(st.floats(0.0, fixed)),
+                bwd_fixed_us=bwd * draw(st.floats(0.0, fixed)),
+                activation_bytes=draw(st.integers(0, 100000)),
+                cut_bytes=draw(st.integers(50000, 400000)) if skip_heavy else draw(st.integers(0, 3000)),
+            )
+        )
+    tied: tuple[TiedParam, ...] = ()
+    if n >= 2 and draw(st.booleans()):
+        users = sorted(draw(st.sets(st.integers(0, n - 1), min_size=2, max_size=min(3, n))))
+        owner = users[0]
+        nbytes = draw(st.integers(0, blocks[owner].param_bytes))
+        tied = (TiedParam(f"m{owner}.w", nbytes, tuple(users)),)
+    profile = ModelProfile(
+        model="Rand",
+        blocks=tuple(blocks),
+        batch_size=b0,
+        input_bytes=draw(st.integers(0, 5000)),
+        tied=tied,
+        optimizer="adam",
+    )
+    batch = draw(st.sampled_from([4, 8, 12, 16] if pipeline else [1, 2, 3, 4, 6, 8, 12, 16]))
+    nodes = draw(st.integers(1, 2))
+    # Interleaving pays when devices are few for the blocks (otherwise a deeper plain pipeline wins).
+    per_node = draw(st.integers(3 - nodes, 3 - nodes) if pipeline else st.integers(1, 8 // nodes))
+    statics = [b.param_bytes + b.grad_bytes + b.optimizer_bytes + b.buffer_bytes for b in blocks]
+    acts = [b.activation_bytes * batch // b0 for b in blocks]
+    # Memory between "the largest block alone barely fits" and "everything fits on one device", so that
+    # pipelines, checkpointing and small micro-batches are often needed (and sometimes nothing fits).
+    low = max(statics) + max(b.activation_bytes for b in blocks) // b0
+    high = sum(statics) + sum(acts)
+    fracs = [0.1, 0.2, 0.4, 0.7, 1.0] if pipeline else [-0.05, 0.0, 0.03, 0.1, 0.2, 0.4, 0.7, 1.0]
+    frac = draw(st.sampled_from(fracs))
+    memory = max(1, int(low + frac * (high - low)) + draw(st.integers(0, 999)))
+    ar_scale = (
+        1e3 if pipeline else draw(st.sampled_from([1e3, 1e5, 1e7]))
+    )  # slow all-reduce favours deep pipelines
+    cluster = Cluster(
+        nodes=nodes,
+        devices_per_node=per_node,
+        device_memory_bytes=memory,
+        intra_node_bw=draw(st.floats(1e7, 1e10)),
+        inter_node_bw=draw(st.floats(1e6, 1e9)),
+        intra_allreduce_bw=ar_scale * draw(st.floats(1.0, 100.0)),
+        inter_allreduce_bw=ar_scale * draw(st.floats(0.1, 10.0)),
+        latency_us=draw(st.floats(0.0, 2.0 if pipeline else 50.0)),
+        memory_reserve=0.0,
+    )
+    both = ("1F1B", "Interleaved1F1B")
+    extra: tuple[str, ...] = draw(st.sampled_from([(), ("1F1B",), ("Interleaved1F1B",), both, both]))
+    schedules = ("GPipe", *both) if pipeline else ("GPipe", *extra)
+    return profile, cluster, batch, schedules, draw(st.integers(4 if pipeline else 1, 8)), draw(st.booleans())
+
+
+Case = tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_planner_matches_brute_force(case: Case) -> None:
+    _check_against_brute_force(case)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(pipeline=True))
+def test_planner_matches_brute_force_on_pipeline_friendly_instances(case: Case) -> None:
+    _check_against_brute_force(case)
+
+
+def _check_against_brute_force(case: Case) -> None:
+    """The planner's step time equals the brute-force optimum, and both agree on feasibility."""
+    profile, cluster, batch, schedules, max_mb, ck = case
+    tables = CostTables(profile, cluster)
+    want, cfg, bounds = brute_force(tables, batch, schedules, max_mb, ck)
+    event(f"blocks={profile.num_blocks}")
+    event(f"feasible={want < INF}")
+    event(f"stages={cfg.stages if cfg else 0} replicas={cfg.replicas if cfg else 0}")
+    if cfg:
+        event(f"schedule={cfg.schedule}")
+    try:
+        plan = partition(
+            profile, cluster, batch, schedules=schedules, max_micro_batches=max_mb, checkpointing=ck
+        )
+    except PlanError as err:
+        assert want == INF, f"planner found nothing, brute force found {want} with {cfg} {bounds}"
+        assert err.closest is not None
+        return
+    assert want < INF, "planner found a plan that brute force says cannot fit"
+    got = plan.prediction.step_us
+    event(
+        f"plan={plan.schedule} S={len(plan.stages) // plan.chunks_per_rank} ck={any(x.checkpoint for x in plan.stages)}"
+    )
+    assert got <= want * (1 + 1e-9), (got, want, cfg, bounds)
+    assert got >= want * (1 - 1e-9), (got, want)
+    # The plan's own partition, re-scored through the public evaluate(), gives the same step time.
+    b = [s.block_start for s in plan.stages] + [profile.num_blocks]
+    ev = evaluate(
+        profile,
+        cluster,
+        batch,
+        b,
+        plan.replicas,
+        plan.micro_batches,
+        plan.schedule,
+        plan.layout,
+        checkpointing=ck,
+        tables=tables,
+    )
+    assert ev is not None and ev.step_us == pytest.approx(got, rel=1e-12)
+
+
+def _chain(cuts: list[int], fwd: list[float]) -> ModelProfile:
+    blocks = tuple(
+        BlockProfile(f"b{k}", (f"b{k}",), (), 0, 0, 0, 0, 0, f, 2 * f, 0.0, 0.0, 0, c)
+        for k, (c, f) in enumerate(zip(cuts, fwd, strict=True))
+    )
+    return ModelProfile("Chain", blocks, 1, 0)
+
+
+def test_dp_avoids_a_heavy_cut() -> None:
+    # Cutting after block 1 costs a 1 GB transfer; the balanced split (2 | 2) must move to (1 | 3) or (3 | 1).
+    prof = _chain([10, 10**9, 10, 10], [100.0, 100.0, 100.0, 100.0])
+    cl = Cluster(1, 2, 10**12, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0)
+    tables = CostTables(prof, cl)
+    cfg = Config(1, 2, 4, "GPipe")
+    cc = config_costs(tables, cfg, 4)
+    got = solve(tables, cc)
+    assert got is not None
+    assert got[1] in ((0, 1, 4), (0, 3, 4))
+    assert got[0] == pytest.approx(evaluate_config(tables, cfg, 4, got[1]).step_us)
+
+
+def test_tau_prunes_but_keeps_equal_values() -> None:
+    prof = _chain([1, 1, 1, 1, 1, 1], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    cl = Cluster(1, 3, 10**12, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0)
+    tables = CostTables(prof, cl)
+    cc = config_costs(tables, Config(1, 3, 3, "GPipe"), 3)
+    best = solve(tables, cc)
+    assert best is not None
+    assert solve(tables, cc, best[0]) == best
+    assert solve(tables, cc, best[0] * (1 - 1e-6)) is None
+    relax = Relaxation(tables, cc.cfg, 3)
+    lb, part = relax.lower_bound()
+    assert lb <= best[0] and part is not None
