@@ -5,18 +5,41 @@ Format and fields: docs/plan-format.md. A plan is immutable; ``save``/``load`` r
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import difflib
+import json
+import os
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from lightning_autopart.cluster import Cluster
+from lightning_autopart.errors import PlanFileError, PlanMismatchError
 
-__all__ = ["SCHEMA_VERSION", "SCHEDULES", "Plan", "Prediction", "StagePlan"]
+__all__ = [
+    "LAYOUTS",
+    "PROFILE_MODES",
+    "SCHEDULES",
+    "SCHEMA_VERSION",
+    "Plan",
+    "Prediction",
+    "StagePlan",
+    "check_compatible",
+    "load_plan",
+    "save_plan",
+]
 
 #: Version of the plan file format; bumped on any incompatible change.
 SCHEMA_VERSION = 1
 
 #: Schedule names a plan may carry (names of torch.distributed.pipelining schedules without "Schedule").
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+#: Values of ``Plan.profile_mode``.
+PROFILE_MODES = ("measure", "estimate")
+
+#: Values of ``Plan.layout``.
+LAYOUTS = ("pipeline-major", "stage-major")
 
 
 @dataclass(frozen=True)
@@ -139,3 +162,345 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see docs/plan-format.md)."""
         return asdict(self)
+
+    def to_json(self) -> str:
+        """Pretty JSON: ``schema_version`` first, every other key sorted, two-space indent, newline at the end."""
+        data = _sorted(self.to_dict())
+        data = {"schema_version": data.pop("schema_version"), **data}
+        try:
+            return json.dumps(data, indent=2, allow_nan=False) + "\n"
+        except ValueError as err:  # NaN or infinity in a prediction
+            raise PlanFileError(f"cannot write plan as JSON: {err}") from None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """Inverse of :meth:`to_dict`, checking every field's presence and type (raises :class:`PlanFileError`)."""
+        if not isinstance(data, dict):
+            raise PlanFileError(f"a plan must be a JSON object, got {type(data).__name__}")
+        _check_schema_version(data)
+        plan = _build(cls, data, "")
+        assert isinstance(plan, Plan)
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` as JSON (atomically: a temporary file is renamed over it)."""
+        text = self.to_json()
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise PlanFileError(f"cannot write plan file {target}: {err.strerror or err}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate a plan file written by :meth:`save` (raises :class:`PlanFileError`)."""
+        source = Path(path)
+        try:
+            text = source.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PlanFileError(f"plan file {source} does not exist") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise PlanFileError(f"cannot read plan file {source}: {err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanFileError(
+                f"plan file {source} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+            ) from None
+        try:
+            plan = cls.from_dict(data)
+            plan.validate()
+        except PlanFileError as err:
+            raise PlanFileError(f"plan file {source}: {err}") from None
+        return plan
+
+    def validate(self) -> None:
+        """Check the plan's structure; raise :class:`PlanFileError` listing every problem found."""
+        problems = _structure_problems(self)
+        if problems:
+            raise PlanFileError("invalid plan: " + "; ".join(problems))
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Write ``plan`` to ``path`` (see :meth:`Plan.save`)."""
+    plan.save(path)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan file (see :meth:`Plan.load`)."""
+    return Plan.load(path)
+
+
+def check_compatible(
+    plan: Plan,
+    *,
+    fingerprint: dict[str, Any] | None = None,
+    world_size: int | None = None,
+    batch_size: int | None = None,
+) -> None:
+    """Raise :class:`PlanMismatchError` naming the field if ``plan`` was made for another model, world or batch.
+
+    Args:
+        plan: A loaded plan.
+        fingerprint: ``ModelProfile.fingerprint()`` of the model about to run (None: not checked).
+        world_size: Ranks of the job about to run (None: not checked).
+        batch_size: Global batch size of the job about to run (None: not checked).
+    """
+    if fingerprint is not None:
+        _check_fingerprint(plan.fingerprint, fingerprint)
+    planned_world = plan.cluster.world_size
+    if world_size is not None and world_size != planned_world:
+        raise PlanMismatchError(
+            f"plan was made for world size {planned_world}, this job has {world_size} ranks; "
+            f"re-plan with --devices {world_size} or drop load_plan"
+        )
+    if batch_size is not None and batch_size != plan.batch_size:
+        raise PlanMismatchError(
+            f"plan was made for global batch size {plan.batch_size}, this job uses {batch_size}; "
+            f"re-plan with --batch-size {batch_size} or drop load_plan"
+        )
+
+
+def _check_fingerprint(planned: dict[str, Any], actual: dict[str, Any]) -> None:
+    """Compare two model fingerprints field by field, most telling difference first."""
+    another = "the plan is for another model; re-plan for this model or drop load_plan"
+    if planned.get("model") != actual.get("model"):
+        raise PlanMismatchError(
+            f"plan was made for model {planned.get('model')!r}, this model is {actual.get('model')!r}: {another}"
+        )
+    old, new = planned.get("blocks", []), actual.get("blocks", [])
+    if len(old) != len(new):
+        raise PlanMismatchError(
+            f"the plan has {len(old)} blocks, this model has {len(new)} (or was captured with another "
+            f"--max-blocks): {another}"
+        )
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        if a.get("name") != b.get("name"):
+            raise PlanMismatchError(
+                f"block {i} is {a.get('name')!r} in the plan, {b.get('name')!r} in this model: {another}"
+            )
+        if a.get("param_count") != b.get("param_count"):
+            raise PlanMismatchError(
+                f"block {i} {a.get('name')!r} has {a.get('param_count'):,} parameters in the plan, "
+                f"{b.get('param_count'):,} in this model: {another}"
+            )
+        if a.get("shapes_sha256") != b.get("shapes_sha256"):
+            raise PlanMismatchError(
+                f"block {i} {a.get('name')!r} has parameters of other shapes in the plan than in this model "
+                f"(same count, shape digest {a.get('shapes_sha256')} vs {b.get('shapes_sha256')}): {another}"
+            )
+    if planned.get("param_count") != actual.get("param_count"):
+        raise PlanMismatchError(
+            f"the plan's model has {planned.get('param_count'):,} parameters, this model "
+            f"{actual.get('param_count'):,}: {another}"
+        )
+
+
+def _sorted(value: Any) -> Any:
+    """``value`` with every dict's keys sorted (recursively) and tuples turned into lists."""
+    if isinstance(value, dict):
+        return {str(k): _sorted(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, list | tuple):
+        return [_sorted(v) for v in value]
+    return value
+
+
+def _check_schema_version(data: dict[str, Any]) -> None:
+    """Refuse files without a schema version, or written by a newer lightning_autopart."""
+    version = data.get("schema_version")
+    if version is None:
+        raise PlanFileError(
+            "missing field 'schema_version'; is this a plan file written by `autopart plan -o`?"
+        )
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise PlanFileError(f"schema_version must be a positive integer, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise PlanFileError(
+            f"schema_version {version} is newer than this lightning_autopart reads (up to {SCHEMA_VERSION}); "
+            "upgrade lightning_autopart or re-plan with this version"
+        )
+    if version < SCHEMA_VERSION:
+        raise PlanFileError(
+            f"schema_version {version} is older than this lightning_autopart reads ({SCHEMA_VERSION}); re-plan"
+        )
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Instantiate dataclass ``cls`` from a JSON object, checking fields; ``where`` names it in messages."""
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{where or 'plan'} must be a JSON object, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (known fields: {', '.join(sorted(known))})"
+        raise PlanFileError(f"unknown field {_join(where, unknown[0])!r}{hint}")
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        name = _join(where, f.name)
+        if f.name in data:
+            kwargs[f.name] = _convert(data[f.name], hints[f.name], name)
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise PlanFileError(f"missing field {name!r}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise PlanFileError(f"{where or 'plan'}: {err}") from None
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """Check ``value`` against type ``hint`` (JSON lists become tuples, ints become floats where needed)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if hint in _SCALARS:
+        what, types = _SCALARS[hint]
+        valid = isinstance(value, types) and (hint is bool or not isinstance(value, bool))
+        if not valid:
+            raise PlanFileError(f"{where} must be {what}, got {_describe(value)}")
+        return float(value) if hint is float else value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise PlanFileError(f"{where} must be a list, got {_describe(value)}")
+        return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise PlanFileError(f"{where} must be a JSON object, got {_describe(value)}")
+        return value
+    return _build(hint, value, where)
+
+
+#: JSON scalar types by field type: what the message calls them, and the Python types JSON decodes them to.
+_SCALARS: dict[Any, tuple[str, tuple[type, ...]]] = {
+    bool: ("true or false", (bool,)),
+    int: ("an integer", (int,)),
+    float: ("a number", (int, float)),
+    str: ("a string", (str,)),
+}
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _describe(value: Any) -> str:
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    text = json.dumps(value)
+    return f"{kind.get(type(value), 'a number')} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _structure_problems(plan: Plan) -> list[str]:
+    """Every structural inconsistency of ``plan``, as sentences (empty when the plan is sound)."""
+    problems: list[str] = []
+    if plan.schema_version != SCHEMA_VERSION:
+        problems.append(
+            f"schema_version is {plan.schema_version}, this lightning_autopart writes {SCHEMA_VERSION}"
+        )
+    if plan.schedule not in SCHEDULES:
+        problems.append(f"unknown schedule {plan.schedule!r}; known schedules: {', '.join(SCHEDULES)}")
+    if plan.profile_mode not in PROFILE_MODES:
+        problems.append(f"profile_mode must be one of {', '.join(PROFILE_MODES)}, got {plan.profile_mode!r}")
+    if plan.layout not in LAYOUTS:
+        problems.append(f"layout must be one of {', '.join(LAYOUTS)}, got {plan.layout!r}")
+    for name in ("batch_size", "micro_batches", "micro_batch_size", "chunks_per_rank"):
+        if getattr(plan, name) < 1:
+            problems.append(f"{name} must be at least 1, got {getattr(plan, name)}")
+    if plan.chunks_per_rank > 1 and plan.schedule != "Interleaved1F1B":
+        problems.append(
+            f"chunks_per_rank is {plan.chunks_per_rank} but only Interleaved1F1B runs several chunks"
+        )
+    if not plan.stages:
+        return [*problems, "the plan has no stages"]
+    problems += _block_problems(plan)
+    problems += _rank_problems(plan)
+    replicas = plan.replicas
+    if plan.micro_batch_size * replicas * plan.micro_batches != plan.batch_size:
+        problems.append(
+            f"micro_batch_size {plan.micro_batch_size} x replicas {replicas} x micro_batches "
+            f"{plan.micro_batches} = {plan.micro_batch_size * replicas * plan.micro_batches}, "
+            f"not the batch size {plan.batch_size}"
+        )
+    for s in plan.stages:
+        for f in fields(s):
+            value = getattr(s, f.name)
+            if isinstance(value, int | float) and value < 0:
+                problems.append(f"stage {s.index}: {f.name} is negative ({value})")
+    return problems
+
+
+def _block_problems(plan: Plan) -> list[str]:
+    """Stages must be numbered in order and cover the blocks 0..n-1 contiguously, each with at least one block."""
+    problems: list[str] = []
+    expected_start = 0
+    for position, s in enumerate(plan.stages):
+        if s.index != position:
+            problems.append(f"stage at position {position} has index {s.index}")
+        if s.block_start != expected_start:
+            where = (
+                "the first block (0)"
+                if position == 0
+                else f"block {expected_start}, where stage {position - 1} ends"
+            )
+            problems.append(f"stage {s.index} starts at block {s.block_start}, not at {where}")
+        if s.block_end <= s.block_start:
+            problems.append(
+                f"stage {s.index} has no blocks (block_start {s.block_start}, block_end {s.block_end})"
+            )
+        elif len(s.blocks) != s.block_end - s.block_start:
+            problems.append(
+                f"stage {s.index} names {len(s.blocks)} blocks but spans {s.block_end - s.block_start} "
+                f"(blocks {s.block_start}..{s.block_end - 1})"
+            )
+        expected_start = s.block_end
+    fp = plan.fingerprint
+    blocks = fp.get("blocks")
+    entry = {"name": str, "param_count": int, "shapes_sha256": str}
+    if not (
+        isinstance(fp.get("model"), str)
+        and isinstance(fp.get("param_count"), int)
+        and isinstance(blocks, list)
+        and all(
+            isinstance(b, dict) and all(isinstance(b.get(k), t) for k, t in entry.items()) for b in blocks
+        )
+    ):
+        problems.append(
+            "fingerprint must hold model (a string), param_count (an integer) and blocks (a list of "
+            "{name, param_count, shapes_sha256})"
+        )
+    elif expected_start != len(blocks):
+        problems.append(f"the stages end at block {expected_start} but the model has {len(blocks)} blocks")
+    return problems
+
+
+def _rank_problems(plan: Plan) -> list[str]:
+    """Ranks must lie in the cluster, replicas be equal, and every rank hold ``chunks_per_rank`` stages."""
+    problems: list[str] = []
+    world = plan.cluster.world_size
+    replicas = plan.stages[0].replicas
+    holds: dict[int, int] = {}
+    for s in plan.stages:
+        if not s.ranks:
+            problems.append(f"stage {s.index} has no ranks")
+        if s.replicas != replicas:
+            problems.append(
+                f"stage {s.index} has {s.replicas} replicas, stage 0 has {replicas}; they must be equal"
+            )
+        if len(set(s.ranks)) != len(s.ranks):
+            problems.append(f"stage {s.index} lists a rank twice: {list(s.ranks)}")
+        outside = [r for r in s.ranks if not 0 <= r < world]
+        if outside:
+            problems.append(f"stage {s.index} uses ranks {outside} outside the world size {world}")
+        for r in set(s.ranks):
+            holds[r] = holds.get(r, 0) + 1
+    wrong = sorted(r for r, n in holds.items() if n != plan.chunks_per_rank)
+    if wrong:
+        r = wrong[0]
+        problems.append(
+            f"rank {r} holds {holds[r]} stages, expected chunks_per_rank = {plan.chunks_per_rank}"
+            + (f" (and {len(wrong) - 1} more ranks like it)" if len(wrong) > 1 else "")
+        )
+    return problems

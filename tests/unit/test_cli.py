@@ -1,0 +1,247 @@
+"""The ``autopart`` command: plan and show in-process and once as a subprocess, and every bad input's message."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_autopart.cli import main, parse_shape
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.plan import Plan
+
+REPO = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+NET = ["--model", "examples.tutorial.Net", "--model.init_args.hidden", "64", "--model.init_args.layers", "4"]
+
+
+class NoExample(nn.Module):
+    """A model without ``example_input_array``."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.layer = nn.Linear(hidden, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x)
+
+
+class Empty(nn.Module):
+    """Nothing to partition: capture refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.randn(2, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2
+
+
+class Broken(nn.Module):
+    """A model whose constructor fails."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        raise RuntimeError(f"width {width} is not supported")
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # class paths (examples.tutorial.Net) resolve from the current directory
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "out" / "plan.json"  # "out/" does not exist yet
+    assert main(["plan", *NET, "--devices", "2", "--batch-size", "16", "-o", str(path)]) == 0
+    return path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_prints_the_table_and_saves(plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = Plan.load(plan_file)
+    assert plan.fingerprint["model"] == "Net"
+    assert plan.cluster.world_size == 2 and plan.batch_size == 16
+    assert plan.profile_mode == "estimate" and plan.device == "a100-40gb"
+    assert plan.notes["max_blocks"] == 64
+    code, out, err = run(
+        ["plan", *NET, "--devices", "2", "--batch-size", "16", "--schedule", "GPipe"], capsys
+    )
+    assert code == 0, err
+    assert "Plan for Net (16,640 parameters, 4 blocks)" in out
+    assert "GPipe" in out and "samples/s" in out
+    assert "pass -o plan.json to save the plan" in out
+    assert "profiled 4 blocks" in err
+
+
+def test_show_prints_and_draws(plan_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    timeline, memory = tmp_path / "pics" / "timeline.png", tmp_path / "memory.png"
+    code, out, err = run(
+        ["show", str(plan_file), "--timeline", str(timeline), "--memory", str(memory)], capsys
+    )
+    assert code == 0, err
+    assert "Plan for Net" in out and f"timeline drawn to {timeline}" in out
+    assert timeline.read_bytes().startswith(PNG) and memory.read_bytes().startswith(PNG)
+
+
+def test_show_checks_the_model(plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["show", str(plan_file), *NET, "--world-size", "2", "--batch-size", "16"], capsys)
+    assert code == 0, err
+    assert "the plan matches Net (4 blocks)" in out
+
+
+def test_config_file_gives_the_same_plan(
+    plan_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "plan.yaml"
+    config.write_text(
+        "model:\n  class_path: examples.tutorial.Net\n  init_args:\n    hidden: 64\n    layers: 4\n"
+        f"devices: 2\nbatch_size: 16\noutput: {tmp_path / 'from-yaml.json'}\n"
+    )
+    code, _, err = run(["plan", "--config", str(config)], capsys)
+    assert code == 0, err
+    from_yaml, from_flags = Plan.load(tmp_path / "from-yaml.json"), Plan.load(plan_file)
+    assert dataclasses.replace(from_yaml, notes={}) == dataclasses.replace(
+        from_flags, notes={}
+    )  # notes: timings
+
+
+def test_module_entry_point_in_a_subprocess(plan_file: Path, tmp_path: Path) -> None:
+    timeline = tmp_path / "timeline.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_autopart", "show", str(plan_file), "--timeline", str(timeline)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Plan for Net" in done.stdout
+    assert max(len(line) for line in done.stdout.splitlines()) <= 120
+    assert timeline.read_bytes().startswith(PNG)
+
+
+BAD_PLANS = [
+    (["--device-spec", "b200"], "unknown device spec 'b200'; known specs: a100-40gb"),
+    (["--device-memory", "40 gigs"], "cannot parse memory size '40 gigs'; write a number with a unit"),
+    (["--devices", "0"], "a cluster needs at least one node and one device per node"),
+    (
+        ["--devices", "8", "--num-stages", "2", "--batch-size", "2"],
+        "batch size 2 is smaller than the 4 data-parallel",
+    ),
+    (["--schedule", "ZeroBubble"], "unknown schedule 'ZeroBubble'"),
+    (["--input-shape", "64,abc"], "cannot parse --input-shape '64,abc'"),
+    (["--input-shape", "4,64", "--input-dtype", "float99"], "unknown --input-dtype 'float99'"),
+    (["--batch-size", "x"], "--batch-size: expected an integer, got x"),
+    (["--profile", "guess"], "--profile: expected one of 'estimate', 'measure'"),
+    (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_PLANS)
+def test_bad_plan_inputs(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", *NET, "--devices", "2", "--batch-size", "16", *extra]
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (["--model", "tests.unit.test_cli.NoExample"], "NoExample has no example_input_array; set"),
+        (["--model", "tests.unit.test_cli.Empty"], "cannot capture Empty: it has no parameters"),
+        (
+            ["--model", "tests.unit.test_cli.Broken"],
+            "cannot build the model tests.unit.test_cli.Broken: RuntimeError",
+        ),
+        (["--model", "examples.tutorial.Nope"], "cannot use --model examples.tutorial.Nope: module"),
+        ([*NET, "--model.init_args.depth", "3"], "cannot use --model examples.tutorial.Net: Option 'depth'"),
+    ],
+)
+def test_bad_models(model: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", *model, "--batch-size", "4"], capsys)
+    assert code == 2
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert message in err
+
+
+def test_model_without_example_runs_with_input_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "tests.unit.test_cli.NoExample", "--input-shape", "4,8", "--batch-size", "4"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "Plan for NoExample" in out
+
+
+def test_measure_mode_and_an_infeasible_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "measured.json"
+    code, _, err = run(
+        ["plan", *NET, "--profile", "measure", "--devices", "2", "--batch-size", "8", "-o", str(out)], capsys
+    )
+    assert code == 0, err
+    plan = Plan.load(out)
+    assert plan.profile_mode == "measure" and plan.device == "cpu"
+    code, _, err = run(
+        ["plan", *NET, "--devices", "2", "--batch-size", "8", "--device-memory", "10KB"], capsys
+    )
+    assert code == 2
+    assert err.startswith("error: no plan for Net fits") and "Traceback" not in err
+
+
+def test_bad_plan_files(plan_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    future = tmp_path / "future.json"
+    future.write_text(json.dumps({**json.loads(plan_file.read_text()), "schema_version": 99}))
+    other = [
+        "--model",
+        "examples.tutorial.Net",
+        "--model.init_args.hidden",
+        "32",
+        "--model.init_args.layers",
+        "4",
+    ]
+    cases = [
+        ([str(corrupt)], f"plan file {corrupt} is not valid JSON"),
+        ([str(tmp_path / "nope.json")], "does not exist"),
+        ([str(future)], "schema_version 99 is newer than this lightning_autopart reads"),
+        (
+            [str(plan_file), *other],
+            "block 0 'layers.0' has 4,160 parameters in the plan, 1,056 in this model",
+        ),
+        ([str(plan_file), "--world-size", "4"], "plan was made for world size 2, this job has 4 ranks"),
+        ([str(plan_file), "--batch-size", "32"], "plan was made for global batch size 16, this job uses 32"),
+    ]
+    for args, message in cases:
+        code, _, err = run(["show", *args], capsys)
+        assert code == 2, args
+        assert message in err, err
+
+
+def test_debug_shows_the_traceback_and_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="unknown device spec"):
+        main(["plan", *NET, "--batch-size", "4", "--device-spec", "b200", "--debug"])
+    assert main(["plan", "--help"]) == 0
+    assert "--device-memory" in capsys.readouterr().out
+    code, _, err = run([], capsys)
+    assert code == 2 and "give a command" in err
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("64,5000") == (64, 5000)
+    assert parse_shape("2x3x4") == (2, 3, 4)
+    for bad in ("", "0,4", "a"):
+        with pytest.raises(ConfigError, match="cannot parse --input-shape"):
+            parse_shape(bad)
