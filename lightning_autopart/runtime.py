@@ -1,0 +1,238 @@
+"""One rank's share of a training step: the plan's pipeline schedule, then the gradient all-reduces.
+
+[Note: gradient semantics] The schedule divides gradients by the number of micro-batches
+(``scale_grads=True``), so with a mean loss each replica holds the gradient of the mean over its shard.
+The runtime then averages gradients over the replicas of each stage, which gives the gradient of the mean
+over the global batch, as a single process would compute it. A tied parameter (held by several stages) is
+summed over the stages that hold a copy and averaged over replicas, in one all-reduce over all its holders.
+
+[Note: fixed shapes] torch.distributed.pipelining infers the shapes sent between stages from the first
+micro-batch and keeps them: every step must bring exactly ``plan.batch_size / replicas`` samples per replica,
+split evenly into ``plan.micro_batches`` micro-batches (the plan guarantees divisibility). Another batch
+size raises :class:`~lightning_autopart.errors.ConfigError` before any communication starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.utils._pytree import tree_leaves
+
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.graph import CapturedModel
+from lightning_autopart.plan import Plan
+from lightning_autopart.stages import build_stage_module, tied_groups
+from lightning_autopart.topology import build_groups, place, tied_ranks
+
+__all__ = ["PipelineRunner"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class PipelineRunner:
+    """Runs one rank's stages of ``plan`` over torch.distributed.pipelining, with data-parallel replicas.
+
+    Args:
+        plan: The plan; every rank must build its runner with the same plan.
+        model: The captured model (stage modules are built for this rank's stages), or this rank's stage
+            modules by stage index.
+        rank: This process's global rank.
+        device: The device of the stage modules.
+        loss_fn: ``loss_fn(output, target)`` on one micro-batch (a mean over its samples); ``output`` is the
+            model's output tensor, or the tuple of its outputs when there are several.
+
+    Keyword Args:
+        tied: Tied parameters as (FQN, stage indices); derived from ``model`` when it is a CapturedModel.
+        groups: Process groups from :func:`~lightning_autopart.topology.build_groups`; when None they are
+            created here, so every rank must then construct its runner at the same point.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        model: CapturedModel | Mapping[int, nn.Module],
+        rank: int,
+        device: torch.device | str,
+        loss_fn: LossFn,
+        *,
+        tied: Sequence[tuple[str, Sequence[int]]] | None = None,
+        groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.placement = place(plan, rank)
+        self.device = torch.device(device)
+        captured = model if isinstance(model, CapturedModel) else None
+        if tied is None:
+            tied = tied_groups(plan, captured) if captured is not None else []
+        if groups is None:
+            groups = build_groups(plan, tied)
+        #: This rank's stage modules by stage index.
+        self.modules: dict[int, nn.Module] = {}
+        for s in self.placement.stages:
+            stage = plan.stages[s]
+            if captured is not None:
+                module = build_stage_module(captured, stage.block_start, stage.block_end)
+            elif isinstance(model, Mapping) and s in model:
+                module = model[s]
+            else:
+                raise ConfigError(f"rank {rank} holds stage {s} but no module was given for it")
+            self.modules[s] = module.to(self.device)
+        self._pp_group = groups[tuple(sorted(self.placement.pp_ranks))]
+        self._dp_group = groups.get(self.placement.dp_ranks)
+        self._tied = self._tied_params(tied, captured, groups)
+        tied_ids = {id(p) for p, _ in self._tied}
+        self._params = [
+            p
+            for p in dict.fromkeys(p for m in self.modules.values() for p in m.parameters())
+            if p.requires_grad and id(p) not in tied_ids
+        ]
+        self._loss_fn = loss_fn
+        self._train = self._schedule(with_loss=True)
+        self._eval = self._schedule(with_loss=False)
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first stage (``step`` needs its inputs)."""
+        return self.placement.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (``step`` needs its target and returns the loss)."""
+        return self.placement.is_last(self.plan.num_stages)
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples per step on one replica: ``plan.batch_size / replicas``."""
+        return self.plan.batch_size // self.plan.replicas
+
+    def step(self, inputs: Any = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward and backward of one step on this replica's shard, then the gradient all-reduces.
+
+        Args:
+            inputs: The model's inputs (a Tensor or a tuple of them), first stage only; others pass None.
+            target: The loss target, last stage only.
+
+        Returns:
+            On the last stage the mean of the micro-batch losses (detached); elsewhere None.
+        """
+        if self.is_last and target is None:
+            raise ConfigError(f"rank {self.placement.rank} holds the last stage: step needs the target")
+        args = self._check(inputs, target)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        self._train.step(*args, **kwargs)
+        self._reduce_gradients()
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any = None) -> Any:
+        """Forward only; returns the model's output on the last stage (merged over micro-batches), else None."""
+        args = self._check(inputs, None)
+        with torch.enable_grad():  # pipelining refuses to run under no_grad; its eval builds no graph
+            output = self._eval.eval(*args)
+        return _unwrap(output) if self.is_last else None
+
+    def _check(self, inputs: Any, target: torch.Tensor | None) -> tuple[Any, ...]:
+        """The first stage's positional inputs, after checking that batch sizes match the plan."""
+        expected = self.local_batch_size
+        checks: list[tuple[str, Any]] = []
+        args: tuple[Any, ...] = ()
+        if self.is_first:
+            if inputs is None:
+                raise ConfigError(f"rank {self.placement.rank} holds the first stage: step needs the inputs")
+            args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            checks += [(f"input {i}", t) for i, t in enumerate(tree_leaves(args))]
+        if self.is_last and target is not None:
+            checks.append(("target", target))
+        for what, t in checks:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != expected):
+                size = tuple(t.shape)
+                raise ConfigError(
+                    f"{what} has shape {size}, but the plan needs {expected} samples per replica "
+                    f"(batch size {self.plan.batch_size} / {self.plan.replicas} replicas) in "
+                    f"{self.plan.micro_batches} micro-batches; pipelined shapes are fixed, so use drop_last=True "
+                    f"or re-plan for this batch size"
+                )
+        return args
+
+    def _schedule(self, with_loss: bool) -> Any:
+        """The plan's schedule over this rank's stages (a fresh PipelineStage per schedule)."""
+        stages: list[Any] = [
+            PipelineStage(self.modules[s], s, self.plan.num_stages, self.device, group=self._pp_group)
+            for s in self.placement.stages
+        ]
+        loss_fn = self._loss if with_loss else None
+        n = self.plan.micro_batches
+        name = self.plan.schedule
+        if name == "Interleaved1F1B":
+            return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+        if len(stages) != 1:
+            raise ConfigError(f"schedule {name} runs one stage per rank; rank holds {len(stages)}")
+        if name == "1F1B" and n >= self.plan.num_stages:
+            return Schedule1F1B(stages[0], n, loss_fn=loss_fn)
+        if name not in ("GPipe", "1F1B"):
+            raise ConfigError(f"unknown schedule {name!r}; use GPipe, 1F1B or Interleaved1F1B")
+        return ScheduleGPipe(stages[0], n, loss_fn=loss_fn)
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(_unwrap(output), target)
+
+    def _tied_params(
+        self,
+        tied: Sequence[tuple[str, Sequence[int]]],
+        captured: CapturedModel | None,
+        groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+    ) -> list[tuple[nn.Parameter, dist.ProcessGroup | None]]:
+        """This rank's tied parameters, each with the group its gradient is summed over."""
+        out: list[tuple[nn.Parameter, dist.ProcessGroup | None]] = []
+        for fqn, stages in tied:
+            if not set(stages) & set(self.placement.stages):
+                continue
+            if captured is not None:
+                param = captured.module.get_parameter(fqn)
+            else:
+                named = {n: p for m in self.modules.values() for n, p in m.named_parameters()}
+                if fqn not in named:
+                    raise ConfigError(f"tied parameter {fqn!r} is in no stage module of this rank")
+                param = named[fqn]
+            ranks = tied_ranks(self.plan, stages)
+            out.append((param, groups[ranks] if len(ranks) > 1 else None))
+        return out
+
+    def _reduce_gradients(self) -> None:
+        """Average gradients over the replicas; sum tied gradients over their stages (see the note above)."""
+        replicas = self.plan.replicas
+        if replicas > 1 and self._dp_group is not None:
+            _all_reduce([p.grad for p in self._params if p.grad is not None], self._dp_group, replicas)
+        for param, group in self._tied:
+            if param.grad is not None and group is not None:
+                _all_reduce([param.grad], group, replicas)
+
+
+def _all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:
+    """Sum ``grads`` over ``group`` in one flat message, then divide by ``divisor``, in place."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if divisor != 1:
+        flat /= divisor
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _unwrap(output: Any) -> Any:
+    """A one-tensor tuple as its tensor (stage modules return tuples; users' models return tensors)."""
+    return output[0] if isinstance(output, tuple) and len(output) == 1 else output

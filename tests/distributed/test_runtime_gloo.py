@@ -1,0 +1,147 @@
+"""Transparency of PipelineRunner on 2 and 4 gloo CPU ranks launched with torchrun: equal to one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.runtime_cases import batches, loss_fn
+from tests.models import make
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("_runtime_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+#: (stages, replicas) per world size.
+LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(4, 1), (2, 2)]}
+MODELS = ("mlp", "residual", "gpt")
+SCHEDULES = ("GPipe", "1F1B")
+CASES = [
+    {"model": m, "stages": s, "replicas": r, "schedule": k}
+    for world in LAYOUTS
+    for s, r in LAYOUTS[world]
+    for m in MODELS
+    for k in SCHEDULES
+] + [
+    {"model": m, "stages": 4, "replicas": 1, "schedule": "Interleaved1F1B", "chunks": 2}
+    for m in ("mlp", "gpt")
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(world: int, cases: list[dict[str, Any]], out: Path, timeout: float = 150.0) -> dict[int, Any]:
+    """Run the worker under torchrun on ``world`` ranks; return {rank: results}; kill everything on timeout."""
+    (out / "cases.json").write_text(json.dumps(cases))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(WORKER),
+        str(out / "cases.json"),
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun on {world} ranks timed out after {timeout} s:\n{log.decode()[-4000:]}")
+    assert proc.returncode == 0, f"torchrun on {world} ranks failed:\n{log.decode()[-4000:]}"
+    return {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, Any]]:
+    """Results of every case, by world size then rank (one torchrun launch per world size)."""
+    return {world: _launch(world, CASES, tmp_path_factory.mktemp(f"world{world}")) for world in LAYOUTS}
+
+
+def _reference(model_name: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Parameters and losses after the same SGD steps in one process on the global batches."""
+    model = make(model_name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of = loss_fn(model_name)
+    losses = []
+    for x, y in batches(model_name):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def _case_id(index: int) -> str:
+    return "{model}-{stages}x{replicas}-{schedule}".format(**CASES[index])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=_case_id)
+def test_pipeline_equals_single_process(runs: dict[int, dict[int, Any]], index: int) -> None:
+    case = CASES[index]
+    world = case["stages"] * case["replicas"] // case.get("chunks", 1)
+    ranks = runs[world]
+    expected, expected_losses = _reference(case["model"])
+    seen: set[str] = set()
+    for rank, results in ranks.items():
+        got = results[index]
+        for name, value in got["params"].items():
+            ref = expected[name]
+            error = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            assert error < 1e-5, f"rank {rank}: {name} differs (relative error {error:.2e})"
+            seen.add(name)
+    assert seen == set(expected), f"parameters held by no rank: {sorted(set(expected) - seen)}"
+    last = [r[index]["losses"] for r in ranks.values() if r[index]["losses"][0] is not None]
+    assert len(last) == case["replicas"]
+    losses = [sum(step) / len(step) for step in zip(*last, strict=True)]
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+@pytest.fixture
+def single_process_pg() -> None:
+    """A gloo process group of one rank in this process (torn down by conftest)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+
+
+@pytest.mark.usefixtures("single_process_pg")
+def test_one_rank_step_eval_and_batch_check() -> None:
+    from lightning_autopart.capture import capture
+    from lightning_autopart.errors import ConfigError
+    from lightning_autopart.runtime import PipelineRunner
+    from tests.distributed.runtime_cases import make_case_plan, micro_example
+
+    model = make("residual")
+    captured = capture(model, micro_example("residual"), method="export")
+    case = {"model": "residual", "stages": 1, "replicas": 1, "schedule": "1F1B"}
+    runner = PipelineRunner(
+        make_case_plan(case, captured.num_blocks), captured, 0, "cpu", loss_fn("residual")
+    )
+    (x, y), _, _ = batches("residual")
+    expected = loss_fn("residual")(model(x), y)
+    loss = runner.step(x, y)
+    assert loss is not None and loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(runner.eval_step(x), model(x))
+    with pytest.raises(ConfigError, match="needs 8 samples per replica"):
+        runner.step(x[:6], y[:6])
