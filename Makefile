@@ -1,0 +1,44 @@
+# Two entry points that work on a fresh machine with only python3 and pip:
+#   make demo   runs the main job (for now: plan the seed tutorial model for 8 A100-40GB, then for 2 CPUs)
+#   make test   runs the test suite (ruff, mypy, pytest)
+# Both create and reuse a local virtual environment in .venv (an installed torch is reused, never replaced).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.autopart-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml scripts/ensure_torch.py
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python scripts/ensure_torch.py
+	$(BIN)/python -m pip install -q -e '.[test,dev,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/autopart plan --model examples.tutorial.Net --model.init_args.hidden 5000 --model.init_args.layers 100 \
+		--devices 8 --device-memory 40GB --batch-size 512 --profile estimate --device-spec a100-40gb \
+		-o out/tutorial-plan.json
+	$(BIN)/autopart show out/tutorial-plan.json --timeline out/tutorial-timeline.png --memory out/tutorial-memory.png
+	$(BIN)/autopart plan --model examples.tutorial.Net --model.init_args.hidden 512 --model.init_args.layers 10 \
+		--devices 2 --batch-size 64 --profile measure
+
+lint: $(STAMP)
+	$(BIN)/ruff check lightning_autopart tests examples bench scripts
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/plan_speed.py
+	$(BIN)/python bench/heuristics.py
+
+clean:
+	rm -rf $(VENV) out .mypy_cache .ruff_cache .pytest_cache
