@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Subset
 
+from examples.common import SyntheticDataModule
 from examples.data import SyntheticTokens
 
 __all__ = ["GPT", "PRESETS", "Block", "CausalSelfAttention"]
@@ -59,7 +58,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(L.LightningModule):
+class GPT(SyntheticDataModule):
     """Token and learned position embeddings, ``n_layers`` :class:`Block` s, a final LayerNorm and a head.
 
     With ``tie_weights`` the output head's weight *is* the token embedding's ``Parameter``, so the first
@@ -140,20 +139,6 @@ class GPT(L.LightningModule):
         tokens, targets = batch
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.hparams["optimizer"] == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
-
-    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        train = Subset(self._dataset(), range(self.hparams["num_samples"]))
-        return DataLoader(train, batch_size=self.hparams["batch_size"], shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        data = self._dataset()
-        val = Subset(data, range(self.hparams["num_samples"], len(data)))
-        return DataLoader(val, batch_size=self.hparams["batch_size"])
 
     def _dataset(self) -> SyntheticTokens:
         """Training sequences followed by four batches of held-out validation sequences."""

@@ -6,12 +6,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Literal
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Subset
 
+from examples.common import SyntheticDataModule
 from examples.data import SyntheticRegression
 
 __all__ = ["DEFAULT_WIDTHS", "UnevenMLP"]
@@ -23,7 +22,7 @@ __all__ = ["DEFAULT_WIDTHS", "UnevenMLP"]
 DEFAULT_WIDTHS: tuple[int, ...] = (1024, 8192, 8192, 256, 256, 4096, 4096, 64, 64, 1024)
 
 
-class UnevenMLP(L.LightningModule):
+class UnevenMLP(SyntheticDataModule):
     """``len(widths) - 1`` linear layers with ReLU between them, trained with MSE on a linear teacher.
 
     The layers are the children of one flat ``nn.Sequential`` (``Linear, ReLU, Linear, ..., Linear``),
@@ -73,20 +72,6 @@ class UnevenMLP(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.hparams["optimizer"] == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
-
-    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        train = Subset(self._dataset(), range(self.hparams["num_samples"]))
-        return DataLoader(train, batch_size=self.hparams["batch_size"], shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        data = self._dataset()
-        val = Subset(data, range(self.hparams["num_samples"], len(data)))
-        return DataLoader(val, batch_size=self.hparams["batch_size"])
 
     def _dataset(self) -> SyntheticRegression:
         """Training samples followed by four batches of held-out validation samples."""

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Subset
 
+from examples.common import SyntheticDataModule
 from examples.data import SyntheticImages
 
 __all__ = ["BLOCKS_PER_DEPTH", "Bottleneck", "ResNet"]
@@ -52,7 +51,7 @@ class Bottleneck(nn.Module):
         return F.relu(out + self.downsample(x))
 
 
-class ResNet(L.LightningModule):
+class ResNet(SyntheticDataModule):
     """ResNet-``depth`` x ``width_factor``: every channel width of the ResNet-v1.5 layout is multiplied.
 
     The top level is a pipeline-friendly chain: ``stem`` (conv 7x7, BN, ReLU, max-pool), ``layer1`` ..
@@ -144,20 +143,6 @@ class ResNet(L.LightningModule):
         logits = self(images)
         self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True)
         self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean(), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.hparams["optimizer"] == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
-
-    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        train = Subset(self._dataset(), range(self.hparams["num_samples"]))
-        return DataLoader(train, batch_size=self.hparams["batch_size"], shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        data = self._dataset()
-        val = Subset(data, range(self.hparams["num_samples"], len(data)))
-        return DataLoader(val, batch_size=self.hparams["batch_size"])
 
     def _dataset(self) -> SyntheticImages:
         """Training images followed by four batches of held-out validation images."""

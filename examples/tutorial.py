@@ -10,14 +10,14 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Subset
 
+from examples.common import SyntheticDataModule
 from examples.data import SyntheticRegression
 
 __all__ = ["Net", "main"]
 
 
-class Net(L.LightningModule):
+class Net(SyntheticDataModule):
     """``layers`` linear layers of width ``hidden`` applied in sequence, trained with MSE on a linear teacher.
 
     ``Net(5000, 100)`` is the tutorial's large configuration: 2,500,500,000 parameters, too big to train
@@ -66,20 +66,6 @@ class Net(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.hparams["optimizer"] == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
-        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
-
-    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        train = Subset(self._dataset(), range(self.hparams["num_samples"]))
-        return DataLoader(train, batch_size=self.hparams["batch_size"], shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
-        data = self._dataset()
-        val = Subset(data, range(self.hparams["num_samples"], len(data)))
-        return DataLoader(val, batch_size=self.hparams["batch_size"])
 
     def _dataset(self) -> SyntheticRegression:
         """Training samples followed by four batches of held-out validation samples."""

@@ -286,14 +286,7 @@ def solve(
         bands[s] = (first, last)
         args.append(arg)
         prev = cur
-    if prev[n] == INF:
-        return None
-    cuts = [n]
-    j = n
-    for s in range(nv, 0, -1):
-        j = args[s - 1][j]
-        cuts.append(j)
-    return prev[n], tuple(reversed(cuts))
+    return _backtrack(prev, args, n, nv)
 
 
 class Budget:
@@ -384,11 +377,16 @@ def solve_memory(
         plo, phi = first, last
         args.append(arg)
         prev = cur
-    if prev[n] == INF:
+    return _backtrack(prev, args, n, nv)
+
+
+def _backtrack(last: list[float], args: list[list[int]], n: int, nv: int) -> tuple[float, tuple[int, ...]] | None:
+    """The optimum ``last[n]`` and its boundaries, read back through the argmin tables ``args``; None if unreachable."""
+    if last[n] == INF:
         return None
     cuts = [n]
     j = n
     for s in range(nv, 0, -1):
         j = args[s - 1][j]
         cuts.append(j)
-    return prev[n], tuple(reversed(cuts))
+    return last[n], tuple(reversed(cuts))
