@@ -137,10 +137,7 @@ def infeasible_error(
 ) -> PlanError:
     """The PlanError for 'nothing fits', naming the closest plan and what to change."""
     cl = tables.cluster
-    fix = (
-        "add devices, enable activation checkpointing, use a smaller micro-batch or an optimizer with less state "
-        "(e.g. 'sgd' instead of 'adam')"
-    )
+    fix = _fix_advice(tables, profile.optimizer)
     head = (
         f"no plan for {profile.model} fits in {format_bytes(cl.usable_memory_bytes)} usable memory per device "
         f"({format_bytes(cl.device_memory_bytes)} with {cl.memory_reserve:.0%} reserved) at global batch "
@@ -158,3 +155,26 @@ def infeasible_error(
         f"{memory_table(ev)}\nTo fix: {fix}."
     )
     return PlanError(msg, closest=plan)
+
+
+def _fix_advice(tables: CostTables, optimizer: str) -> str:
+    """What to change, from what does not fit: the model state itself, or the activations of the batch."""
+    cl = tables.cluster
+    state = tables.params[-1] + tables.grads[-1] + tables.optim[-1]
+    need = -(-state // max(1, cl.usable_memory_bytes))
+    advice = []
+    if need > cl.world_size:
+        advice.append(
+            f"parameters, gradients and optimizer state alone take {format_bytes(state)}, which needs at least "
+            f"{need} devices of this size (this cluster has {cl.world_size}): add devices or use larger ones"
+        )
+    else:
+        advice.append(
+            "the activations of one micro-batch do not fit next to the model state: lower the batch size, "
+            "allow activation checkpointing, or add devices"
+        )
+    if tables.optim[-1] > 0:
+        advice.append(
+            f"an optimizer with less state than {optimizer!r} (e.g. 'sgd') saves {format_bytes(tables.optim[-1])}"
+        )
+    return "; ".join(advice)
