@@ -65,8 +65,20 @@ _SPECS: dict[str, DeviceSpec] = {
         # Placeholder figures for one CPU process with one thread talking gloo over loopback; calibrate_cpu()
         # replaces compute and memory bandwidth with measured values.
         DeviceSpec(
-            "cpu", 16 * _GIB, 50e9, 50e9, 10e9, 1e9, 1e9, 1e9, 1e9, 100.0, 10.0,
-            flops_efficiency=1.0, bw_efficiency=1.0, devices_per_node=2,
+            "cpu",
+            16 * _GIB,
+            50e9,
+            50e9,
+            10e9,
+            1e9,
+            1e9,
+            1e9,
+            1e9,
+            100.0,
+            10.0,
+            flops_efficiency=1.0,
+            bw_efficiency=1.0,
+            devices_per_node=2,
         ),
     )
 }

@@ -380,7 +380,9 @@ def solve_memory(
     return _backtrack(prev, args, n, nv)
 
 
-def _backtrack(last: list[float], args: list[list[int]], n: int, nv: int) -> tuple[float, tuple[int, ...]] | None:
+def _backtrack(
+    last: list[float], args: list[list[int]], n: int, nv: int
+) -> tuple[float, tuple[int, ...]] | None:
     """The optimum ``last[n]`` and its boundaries, read back through the argmin tables ``args``; None if unreachable."""
     if last[n] == INF:
         return None

@@ -1,0 +1,190 @@
+"""Helpers that run a user's LightningModule step around a pipeline: forward interception, batch slicing, logs."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_autopart.errors import ConfigError
+
+__all__ = [
+    "ForwardCall",
+    "LogRecord",
+    "batch_size_of",
+    "capture_logs",
+    "find_forward",
+    "flat_inputs",
+    "merge_logs",
+    "replaced_forward",
+    "slice_batch",
+]
+
+
+@dataclass
+class ForwardCall:
+    """The first module call a step makes: which submodule (FQN, "" for the root) and with what."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class _Stop(Exception):
+    """Raised by the interception hook to leave the user's step at its first module call."""
+
+    def __init__(self, call: ForwardCall) -> None:
+        super().__init__(call.name)
+        self.call = call
+
+
+def find_forward(root: nn.Module, step: Callable[[], Any]) -> ForwardCall:
+    """Run ``step`` until it calls ``root`` or one of its submodules; return that call, stopping the step there.
+
+    ``root.log`` is silenced meanwhile. Raises ConfigError when the step calls no module.
+    """
+    handles = []
+    names = {id(m): n for n, m in root.named_modules()}
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        raise _Stop(ForwardCall(names[id(module)], tuple(args), dict(kwargs)))
+
+    for module in root.modules():
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with _silenced_log(root):
+            step()
+    except _Stop as stop:
+        return stop.call
+    finally:
+        for h in handles:
+            h.remove()
+    raise ConfigError(
+        f"{type(root).__name__}.training_step never calls the model (self(x) or a submodule); autopart "
+        "pipelines the first module the step calls, so the step must call one"
+    )
+
+
+def flat_inputs(module: nn.Module, call: ForwardCall) -> tuple[Any, ...]:
+    """The call's inputs as the captured model's flat input tuple (positional args, then kwargs in order)."""
+    kwargs: list[Any] = []
+    if call.kwargs:
+        order = list(inspect.signature(module.forward).parameters)
+        kwargs = [
+            call.kwargs[k] for k in sorted(call.kwargs, key=lambda k: order.index(k) if k in order else 0)
+        ]
+    leaves, _ = tree_flatten((call.args, kwargs))
+    return tuple(leaves)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The leading size of the batch's first tensor."""
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ConfigError("the batch holds no tensor with a batch dimension; autopart cannot split it")
+
+
+def slice_batch(batch: Any, lo: int, hi: int, size: int) -> Any:
+    """Samples ``lo:hi`` of every tensor of ``batch`` whose leading size is ``size`` (others unchanged)."""
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size:
+            return x[lo:hi]
+        return x
+
+    return tree_map(cut, batch)
+
+
+@contextmanager
+def replaced_forward(module: nn.Module, output: Any) -> Iterator[None]:
+    """Make ``module(...)`` return ``output`` (the pipeline's result) for the duration."""
+    with _instance_attribute(module, "forward", lambda *args, **kwargs: output):
+        yield
+
+
+@dataclass
+class LogRecord:
+    """One ``self.log`` call: name, value (float or tensor on CPU) and keyword arguments."""
+
+    name: str
+    value: Any
+    kwargs: dict[str, Any]
+
+
+@contextmanager
+def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
+    """Record ``module.log(...)`` calls into ``records`` instead of logging them."""
+    names = list(inspect.signature(_log_signature).parameters)[3:]
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.update(zip(names, args, strict=False))
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+        elif not isinstance(value, (int, float)):
+            raise ConfigError(
+                f"self.log({name!r}, <{type(value).__name__}>): autopart replays logged values on every stage, "
+                "so log tensors or numbers (call .compute() on a metric and log the result)"
+            )
+        records.append(LogRecord(name, value, kwargs))
+
+    with _patched_log(module, log):
+        yield
+
+
+def merge_logs(records: list[LogRecord]) -> list[LogRecord]:
+    """One record per name: the mean of its micro-batch values (equal micro-batches), last call's options."""
+    merged: dict[str, list[LogRecord]] = {}
+    for r in records:
+        merged.setdefault(r.name, []).append(r)
+    out = []
+    for name, recs in merged.items():
+        values = [torch.as_tensor(r.value, dtype=torch.float64) for r in recs]
+        mean = torch.stack(values).mean()
+        last = recs[-1].value
+        value: Any = mean.to(last.dtype) if isinstance(last, torch.Tensor) else float(mean)
+        out.append(LogRecord(name, value, recs[-1].kwargs))
+    return out
+
+
+def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, logger: Any = None,
+                   on_step: Any = None, on_epoch: Any = None, reduce_fx: Any = "mean",
+                   enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+                   add_dataloader_idx: bool = True, batch_size: Any = None, metric_attribute: Any = None,
+                   rank_zero_only: bool = False) -> None:  # fmt: skip
+    """Positional order of ``LightningModule.log``'s arguments."""
+
+
+@contextmanager
+def _silenced_log(module: nn.Module) -> Iterator[None]:
+    with _patched_log(module, lambda *args, **kwargs: None):
+        yield
+
+
+@contextmanager
+def _patched_log(module: nn.Module, log: Callable[..., None]) -> Iterator[None]:
+    with _instance_attribute(module, "log", log):
+        yield
+
+
+@contextmanager
+def _instance_attribute(module: nn.Module, name: str, value: Any) -> Iterator[None]:
+    """Shadow the method ``name`` of ``module`` by an instance attribute for the duration."""
+    table = module.__dict__
+    missing = object()
+    saved = table.get(name, missing)
+    table[name] = value
+    try:
+        yield
+    finally:
+        if saved is missing:
+            del table[name]
+        else:
+            table[name] = saved

@@ -1,0 +1,221 @@
+"""The strategy's planning step: one rank plans (or loads) the plan for the first batch, every rank receives it."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_autopart.cluster import Cluster
+from lightning_autopart.errors import AutopartError, ConfigError, PlanError
+from lightning_autopart.lightning_hooks import ForwardCall, slice_batch
+from lightning_autopart.plan import Plan, check_compatible, load_plan
+from lightning_autopart.stage_grads import keep_contiguous
+from lightning_autopart.stages import build_stage_module, tied_groups
+from lightning_autopart.topology import place
+
+__all__ = [
+    "PlanSettings",
+    "build_local_stages",
+    "choose_micro_batches",
+    "gather_state_dict",
+    "plan_for_batch",
+]
+
+#: Spec of the roofline estimate when the device has none of its own.
+_ESTIMATE_SPEC = "a100-40gb"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the strategy's user asked for (see ``AutoPartitionStrategy``'s arguments)."""
+
+    num_stages: int | None = None
+    micro_batches: int | None = None
+    schedule: str = "auto"
+    device_memory: int | str | None = None
+    profile: str = "measure"
+    load_plan: str | None = None
+    save_plan: str | None = None
+    max_blocks: int = 64
+
+
+def choose_micro_batches(requested: int | None, local_batch: int) -> int | None:
+    """``requested``, or the largest divisor of ``local_batch`` below it (with a warning); None stays None."""
+    if requested is None or local_batch % requested == 0:
+        return requested
+    chosen = max(d for d in range(1, min(requested, local_batch) + 1) if local_batch % d == 0)
+    warnings.warn(
+        f"micro_batches={requested} does not divide the batch of {local_batch} samples per replica; "
+        f"using {chosen} equal micro-batches instead",
+        stacklevel=2,
+    )
+    return chosen
+
+
+def plan_for_batch(
+    settings: PlanSettings,
+    root: nn.Module,
+    call: ForwardCall,
+    local_batch: int,
+    *,
+    rank: int,
+    world_size: int,
+    num_nodes: int,
+    device: torch.device,
+) -> Plan:
+    """The plan for ``root`` fed batches of ``local_batch`` samples per replica, made on rank 0, sent to all.
+
+    A failure on rank 0 (no plan fits, a mismatched ``load_plan``) is raised on every rank.
+    """
+    result: list[Any] = [None]
+    if rank == 0:
+        try:
+            result[0] = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device)
+        except Exception as error:  # sent to every rank, then raised everywhere
+            result[0] = error
+    if dist.is_available() and dist.is_initialized() and world_size > 1:
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    plan: Plan = result[0]
+    if plan.world_size != world_size:
+        raise ConfigError(
+            f"the plan uses {plan.world_size} ranks, this job has {world_size}; re-plan or drop load_plan"
+        )
+    if rank == 0:
+        from lightning_autopart.report import print_plan
+
+        print_plan(plan)
+        if settings.save_plan:
+            plan.save(settings.save_plan)
+    return plan
+
+
+def build_local_stages(
+    plan: Plan, root: nn.Module, call: ForwardCall, local_batch: int, rank: int
+) -> tuple[dict[int, nn.Module], list[tuple[str, tuple[int, ...]]], set[int], set[int]]:
+    """This rank's stage modules, built from a capture at the plan's micro-batch size (shapes are baked in).
+
+    Returns the modules by stage index, the tied parameters (FQN, stages), the ids of the tied parameters
+    whose gradient another rank counts in the global norm (a tie counts on its first stage), and the ids
+    of every parameter some block of the model uses.
+    """
+    from lightning_autopart.capture import capture
+
+    micro = plan.micro_batch_size
+    args = slice_batch((call.args, call.kwargs), 0, micro, local_batch)
+    captured = capture(root, args, max_blocks=int(plan.notes.get("max_blocks", 64)))
+    if captured.num_blocks != plan.stages[-1].block_end:
+        raise ConfigError(
+            f"the plan splits {plan.stages[-1].block_end} blocks, but the model captured at micro-batch size "
+            f"{micro} has {captured.num_blocks}; the plan is for another model: re-plan"
+        )
+    tied = tied_groups(plan, captured)
+    mine = place(plan, rank).stages
+    modules = {
+        s: keep_contiguous(build_stage_module(captured, plan.stages[s].block_start, plan.stages[s].block_end))
+        for s in mine
+    }
+    elsewhere = {id(captured.module.get_parameter(fqn)) for fqn, stages in tied if min(stages) not in mine}
+    in_blocks = {id(root.get_parameter(fqn)) for block in captured.blocks for fqn in block.params}
+    return modules, tied, elsewhere, in_blocks
+
+
+def _make_plan(
+    settings: PlanSettings,
+    root: nn.Module,
+    call: ForwardCall,
+    local_batch: int,
+    world_size: int,
+    num_nodes: int,
+    device: torch.device,
+) -> Plan:
+    from lightning_autopart.partition import partition
+    from lightning_autopart.planner import profile_model
+
+    if world_size % num_nodes:
+        raise ConfigError(f"world size {world_size} is not a multiple of the {num_nodes} nodes")
+    inputs = (call.args, call.kwargs)
+    if settings.load_plan:
+        plan = load_plan(settings.load_plan)
+        max_blocks = int(plan.notes.get("max_blocks", settings.max_blocks))
+        prof = profile_model(root, inputs, profile="estimate", spec=_ESTIMATE_SPEC, max_blocks=max_blocks)
+        check_compatible(
+            plan,
+            fingerprint=prof.fingerprint(),
+            world_size=world_size,
+            batch_size=local_batch * plan.replicas,
+        )
+        return plan
+    if settings.num_stages is not None and settings.num_stages > world_size:
+        raise ConfigError(
+            f"num_stages={settings.num_stages} is more than the {world_size} devices; use at most {world_size}"
+        )
+    spec = _spec(device, settings.profile)
+    cluster = Cluster.from_spec(
+        spec, devices=world_size // num_nodes, nodes=num_nodes, device_memory=settings.device_memory
+    )
+    prof = profile_model(root, inputs, profile=settings.profile, spec=spec, max_blocks=settings.max_blocks)
+    if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
+        raise ConfigError(
+            f"num_stages={settings.num_stages} is more than the {prof.num_blocks} blocks the model splits into; "
+            f"use at most {prof.num_blocks} stages"
+        )
+    candidates = (
+        [settings.num_stages]
+        if settings.num_stages is not None
+        else [s for s in range(1, world_size + 1) if world_size % s == 0 and s <= prof.num_blocks]
+    )
+    micro = choose_micro_batches(settings.micro_batches, local_batch)
+    schedules = None if settings.schedule == "auto" else [settings.schedule]
+    best: Plan | None = None
+    failure: AutopartError | None = None
+    for stages in candidates:
+        try:
+            plan = partition(
+                prof,
+                cluster,
+                local_batch * (world_size // stages),
+                num_stages=stages,
+                micro_batches=micro,
+                schedules=schedules,
+            )
+        except (PlanError, ConfigError) as error:
+            failure = error
+            continue
+        if best is None or plan.prediction.samples_per_s > best.prediction.samples_per_s:
+            best = plan
+    if best is None:
+        assert failure is not None
+        raise failure
+    return dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks})
+
+
+def _spec(device: torch.device, profile: str) -> str:
+    if device.type == "cuda":
+        from lightning_autopart.profile import resolve_spec
+
+        return resolve_spec(None, device).name
+    return "cpu" if profile == "measure" else _ESTIMATE_SPEC
+
+
+def gather_state_dict(
+    state: dict[str, Any], modules: Iterable[nn.Module], prefix: str, rank: int, world_size: int
+) -> dict[str, Any]:
+    """``state`` with every rank's stage tensors (``prefix`` + their names) gathered onto rank 0.
+
+    Every rank must call it; ranks that are not the first replica of their stages pass no modules.
+    """
+    local = {prefix + k: v.detach().cpu() for m in modules for k, v in m.state_dict().items()}
+    parts: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    for part in parts or ():
+        state.update({k: v.to(state[k].device) if k in state else v for k, v in part.items()})
+    return state

@@ -1,0 +1,477 @@
+"""``AutoPartitionStrategy``: Lightning hooks mapped onto the planner and the pipeline runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.lightning_hooks import (
+    LogRecord,
+    batch_size_of,
+    capture_logs,
+    find_forward,
+    flat_inputs,
+    merge_logs,
+    replaced_forward,
+    slice_batch,
+)
+from lightning_autopart.partitioning import (
+    PlanSettings,
+    build_local_stages,
+    gather_state_dict,
+    plan_for_batch,
+)
+from lightning_autopart.plan import SCHEDULES, Plan
+from lightning_autopart.runtime import PipelineRunner
+from lightning_autopart.stage_grads import clip_by_global_norm
+from lightning_autopart.topology import build_groups
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["AutoPartitionStrategy"]
+
+
+class AutoPartitionStrategy(ParallelStrategy):
+    """Trains an unchanged LightningModule as a pipeline x data-parallel job planned from its first batch.
+
+    Every stage of one pipeline sees the same batch: the data loader's batch is one pipeline's share, so the
+    global batch is ``loader batch x replicas``. The plan is made in ``setup`` from the first training batch
+    (rank 0 captures, profiles and partitions; every rank receives the plan), and the model that the
+    training step calls first (``self(...)`` or a submodule such as ``self.model(...)``) is pipelined; the
+    user's step then computes the loss per micro-batch on the last stage and its ``self.log`` calls are
+    replayed on every rank.
+
+    Launch with ``python train.py`` (Lightning starts the other processes) or ``torchrun``; spawning from a
+    notebook is refused. Only automatic optimization is supported; every batch must have the planned size
+    (``drop_last=True``), validation included; checkpoints hold the whole model (gathered on rank 0) but
+    resuming one is not supported yet.
+
+    Args:
+        num_stages: Pipeline stages (None: the planner decides).
+        micro_batches: Micro-batches per replica per step (None: the planner decides); when it does not divide
+            the batch, the largest divisor below it is used.
+        schedule: "auto" or one of "GPipe", "1F1B", "Interleaved1F1B".
+        device_memory: Memory of one device, in bytes or as "40GB" (None: the device's own).
+        profile: "measure" (time the blocks here) or "estimate" (roofline).
+        load_plan: Path of a plan to use instead of planning (checked against the model and world size).
+        save_plan: Path where rank 0 writes the plan.
+        process_group_backend: "gloo" or "nccl" (None: by device).
+        timeout: Timeout of collectives; a failing rank makes the others exit after it.
+    """
+
+    strategy_name = "autopart"
+    is_distributed = True  # sync_dist and the DistributedSampler need it (see lightning_strategy.md)
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        micro_batches: int | None = None,
+        schedule: str = "auto",
+        device_memory: int | str | None = None,
+        profile: str = "measure",
+        load_plan: str | None = None,
+        save_plan: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if schedule != "auto" and schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {schedule!r}; use 'auto' or one of: {', '.join(SCHEDULES)}")
+        if profile not in ("measure", "estimate"):
+            raise ConfigError(f"unknown profile mode {profile!r}; use 'measure' or 'estimate'")
+        for name, value in (("num_stages", num_stages), ("micro_batches", micro_batches)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        self.num_stages = num_stages
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        self.device_memory = device_memory
+        self.profile = profile
+        self.load_plan = load_plan
+        self.save_plan = save_plan
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        #: The plan every rank runs (set in ``setup`` when fitting).
+        self.plan: Plan | None = None
+        self._runner: PipelineRunner | None = None
+        self._root_name = ""
+        self._pp_group: dist.ProcessGroup | None = None
+        self._params: list[nn.Parameter] = []
+        self._stash: list[Tensor | None] | None = None
+        self._counted_elsewhere: set[int] = set()
+        self._loss_fn: Any = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"autopart"`` (once)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Automatic pipeline x data-parallel partitioning"
+            )
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def _lm(self) -> pl.LightningModule:
+        module = self.lightning_module
+        assert module is not None, "the strategy has no LightningModule yet"
+        return module
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend of the default process group."""
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.plan is None or self._runner is None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": self.plan.replicas, "rank": self._runner.placement.replica}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            if _IS_INTERACTIVE and self.num_processes > 1:
+                raise ConfigError(
+                    "AutoPartitionStrategy cannot start processes from an interactive session: spawn-style "
+                    "launching would return only one stage's weights. Run a script (python train.py) or torchrun"
+                )
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def set_world_ranks(self) -> None:
+        """Ranks and world size from the cluster environment (as DDP does)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        if not self._lm.automatic_optimization:
+            raise ConfigError(
+                "AutoPartitionStrategy does not support manual optimization (automatic_optimization=False) yet; "
+                "use automatic optimization, or the 'ddp' strategy"
+            )
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            self._partition(trainer)
+            _optimizers_to_device(self.optimizers, self.root_device)
+            # Clipping by norm needs the norm over the whole model, not over this rank's stage.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _partition(self, trainer: pl.Trainer) -> None:
+        """Plan from the first training batch, build this rank's stage and keep the optimizers to its parameters."""
+        lm = self._lm
+        batch = self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
+        call = find_forward(lm, lambda: lm.training_step(batch, 0))
+        self._root_name = call.name
+        root = self._root()
+        size = batch_size_of(batch)
+        settings = PlanSettings(
+            self.num_stages,
+            self.micro_batches,
+            self.schedule,
+            self.device_memory,
+            self.profile,
+            self.load_plan,
+            self.save_plan,
+        )
+        plan = plan_for_batch(
+            settings,
+            root,
+            call,
+            size,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            device=self.root_device,
+        )
+        self.plan = plan
+        modules, tied, counted_elsewhere, in_blocks = build_local_stages(
+            plan, root, call, size, self.global_rank
+        )
+        outside = [
+            name
+            for name, p in lm.named_parameters()
+            if id(p) not in in_blocks
+            and any(p is q for o in self.optimizers for g in o.param_groups for q in g["params"])
+        ]
+        if outside:
+            raise ConfigError(
+                f"parameters {', '.join(outside[:5])} are optimized but not used by the pipelined model "
+                f"({self._root_name or type(lm).__name__}.forward); autopart trains only what the forward uses: "
+                "move them into the model's forward, or leave them out of configure_optimizers"
+            )
+        groups = build_groups(plan, tied)
+        self._counted_elsewhere = counted_elsewhere
+        runner = PipelineRunner(
+            plan, modules, self.global_rank, self.root_device, self._call_loss, tied=tied, groups=groups
+        )
+        self._runner = runner
+        self._pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
+        self._params = list(dict.fromkeys(p for m in runner.modules.values() for p in m.parameters()))
+        local = {id(p) for p in self._params}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in local]
+        # Free the other stages' weights (the whole model is gathered again to save a checkpoint).
+        for p in root.parameters():
+            if id(p) in in_blocks and id(p) not in local:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _root(self) -> nn.Module:
+        lm = self._lm
+        return lm.get_submodule(self._root_name) if self._root_name else lm
+
+    def _call_loss(self, output: Any, target: Tensor) -> Tensor:
+        return self._loss_fn(output, target)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            raise ConfigError("AutoPartitionStrategy ran a training step before setup partitioned the model")
+        lm = self._lm
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        accumulate = lm.trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            self._stash = None
+        size = self._check_batch(batch)
+        # Logs by micro-batch start: pipelining may run the loss twice on its first step (shape inference).
+        by_micro: dict[int, list[LogRecord]] = {}
+
+        def loss_fn(output: Any, index: Tensor) -> Tensor:
+            lo, hi = int(index[0]), int(index[-1]) + 1
+            by_micro[lo] = []
+            with replaced_forward(self._root(), output), capture_logs(lm, by_micro[lo]):
+                out = lm.training_step(slice_batch(batch, lo, hi, size), batch_idx)
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if not isinstance(loss, Tensor):
+                raise ConfigError(
+                    "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
+                )
+            return loss / accumulate
+
+        self._loss_fn = loss_fn
+        inputs = self._inputs(lambda: lm.training_step(batch, batch_idx))
+        target = torch.arange(size, device=self.root_device) if self._runner.is_last else None
+        for p in self._params:
+            p.grad = None
+        with self.precision_plugin.train_step_context():
+            loss = self._runner.step(inputs, target)
+        self._keep_grads()
+        records = [r for lo in sorted(by_micro) for r in by_micro[lo]]
+        value = self._share(None if loss is None else float(loss) * accumulate, records)
+        return torch.tensor(value, device=self.root_device)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", *args, **kwargs)
+
+    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """Forward-only pipeline; the user's step runs on the last stage, its logs are replayed on all."""
+        if self._runner is None:
+            raise ConfigError(
+                f"AutoPartitionStrategy runs {hook} only during fit, after the model is partitioned"
+            )
+        step = getattr(self._lm, hook)
+        self._check_batch(args[0] if args else kwargs["batch"])
+        inputs = self._inputs(lambda: step(*args, **kwargs))
+        with self.precision_plugin.val_step_context():
+            output = self._runner.eval_step(inputs)
+        records: list[LogRecord] = []
+        out = None
+        if self._runner.is_last:
+            with replaced_forward(self._root(), output), capture_logs(self._lm, records):
+                out = step(*args, **kwargs)
+        self._share(None, records)
+        return out
+
+    def _check_batch(self, batch: Any) -> int:
+        assert self._runner is not None and self.plan is not None
+        size = batch_size_of(batch)
+        if size != self._runner.local_batch_size:
+            raise ConfigError(
+                f"a batch of {size} samples reached the pipeline, but the plan needs {self._runner.local_batch_size} "
+                f"per replica (global batch {self.plan.batch_size} over {self.plan.replicas} replicas): pipelined "
+                "shapes are fixed, so use drop_last=True and the same batch size in every loader"
+            )
+        return size
+
+    def _inputs(self, step: Any) -> tuple[Any, ...] | None:
+        """On the first stage, the inputs the user's step gives the model (the step is stopped there)."""
+        assert self._runner is not None
+        if not self._runner.is_first:
+            return None
+        call = find_forward(self._lm, step)
+        if call.name != self._root_name:
+            raise ConfigError(
+                f"the step called {call.name or 'self'} first, but the model was partitioned at "
+                f"{self._root_name or 'self'}; a step must call the same module every time"
+            )
+        return flat_inputs(self._root(), call)
+
+    def _keep_grads(self) -> None:
+        """Add this step's gradients to the window's and hide them from Lightning's zero_grad until backward."""
+        grads: list[Tensor | None] = [p.grad for p in self._params]
+        if self._stash is not None:
+            grads = [
+                g if s is None else s if g is None else s + g for g, s in zip(grads, self._stash, strict=True)
+            ]
+        self._stash = grads
+        for p in self._params:
+            p.grad = None
+
+    def _share(self, loss: float | None, records: list[LogRecord]) -> float:
+        """Send the last stage's loss and logs along the pipeline; replay the logs on every rank."""
+        assert self._runner is not None and self.plan is not None
+        payload: list[Any] = [(loss, merge_logs(records))]
+        if len(self._runner.placement.pp_ranks) > 1:
+            src = self.plan.stages[-1].ranks[self._runner.placement.replica]
+            dist.broadcast_object_list(payload, src=src, group=self._pp_group)
+        value, logs = payload[0]
+        lm = self._lm
+        for record in logs:
+            v = record.value.to(self.root_device) if isinstance(record.value, Tensor) else record.value
+            lm.log(record.name, v, **record.kwargs)
+        return float("nan") if value is None else float(value)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """No autograd here (the pipeline ran it); fire the hooks and hand the gradients back."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
+        if self._stash is not None:
+            for p, g in zip(self._params, self._stash, strict=True):
+                p.grad = g
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        """``clip_grad_norm_`` with the norm over every stage of the pipeline (tied parameters counted once)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        many = self._runner is not None and len(self._runner.placement.pp_ranks) > 1
+        clip_by_global_norm(params, clip_val, self._counted_elsewhere, self._pp_group if many else None)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state on rank 0: each stage's tensors gathered from the first replica."""
+        state = self._lm.state_dict()
+        if self._runner is None or not _distributed_is_initialized() or self.world_size == 1:
+            return state
+        prefix = f"{self._root_name}." if self._root_name else ""
+        modules = self._runner.modules.values() if self._runner.placement.replica == 0 else ()
+        return gather_state_dict(state, modules, prefix, self.global_rank, self.world_size)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        # Logged values are equal along a pipeline (replayed), so a WORLD mean is the data-parallel mean.
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        self._runner = None
+        self._stash = None
+        super().teardown()

@@ -1,0 +1,69 @@
+"""A user-style training script: fits the cases of a JSON file with AutoPartitionStrategy and saves each rank's result.
+
+Usage: ``python tests/distributed/_strategy_script.py CASES OUT DEVICES`` (Lightning's launcher starts the other
+processes) or under ``torchrun``. Rank r writes ``OUT/rank{r}.pt`` = {case index: {"params", "losses"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_autopart.strategy import AutoPartitionStrategy
+from tests.distributed.strategy_cases import fit
+
+__all__: list[str] = []
+
+
+def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
+    """Fit one case; return this rank's stage parameters (original names) and its logged losses."""
+    strategy = AutoPartitionStrategy(
+        num_stages=case["stages"],
+        micro_batches=case.get("micro_batches", 2),
+        schedule=case.get("schedule", "GPipe"),
+        profile="estimate",
+    )
+    model, losses, metrics = fit(case, strategy, devices, devices // case["stages"])
+    local = {id(p) for p in strategy._params}
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
+    return {
+        "params": params,
+        "losses": losses,
+        "metrics": metrics,
+        "plan_stages": strategy.plan.num_stages if strategy.plan else 0,
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    devices = int(sys.argv[3])
+    results: dict[int, Any] = {}
+    rank = -1
+    try:
+        for i, case in enumerate(cases):
+            if case.get("validate"):
+                case["ckpt_dir"] = str(out / f"ckpt{i}")
+            results[i] = run(case, devices)
+            rank = dist.get_rank()
+    finally:
+        if rank < 0 and dist.is_initialized():
+            rank = dist.get_rank()
+        torch.save(results, out / f"rank{max(rank, 0)}.pt")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)  # skip the slow interpreter teardown of torch
+
+
+if __name__ == "__main__":
+    main()

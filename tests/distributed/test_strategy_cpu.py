@@ -1,0 +1,158 @@
+"""AutoPartitionStrategy on 2 and 4 gloo CPU processes, launched as users do: equal to plain one-process Lightning."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.strategy_cases import fit
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).with_name("_strategy_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Launches: (launcher, processes, cases). Each case: model, stages (replicas = processes // stages), options.
+LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
+    (
+        "lightning",
+        2,
+        [
+            {"model": "mlp", "stages": 2},
+            {"model": "mlp", "stages": 1},
+            {"model": "residual", "stages": 2, "schedule": "1F1B"},
+            {"model": "gpt", "stages": 2},
+            {"model": "cnn", "stages": 2},
+            {"model": "two_inputs", "stages": 2},
+            {"model": "residual", "stages": 2, "via_submodule": True},
+            {"model": "mlp", "stages": 2, "accumulate": 2, "validate": True},
+            {"model": "gpt", "stages": 2, "clip": 0.1},
+        ],
+    ),
+    ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
+    (
+        "torchrun",
+        4,
+        [
+            {"model": "mlp", "stages": 4},
+            {"model": "mlp", "stages": 2},
+            {"model": "gpt", "stages": 2, "schedule": "1F1B"},
+            {"model": "residual", "stages": 4, "micro_batches": 4},
+        ],
+    ),
+]
+CASES = [(launch, case) for launch, (_, _, cases) in enumerate(LAUNCHES) for case in cases]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    how: str, world: int, cases: list[dict[str, Any]], out: Path, timeout: float = 120.0
+) -> tuple[int, str]:
+    """Run the script on ``world`` processes (Lightning's launcher or torchrun); kill them all on timeout."""
+    (out / "cases.json").write_text(json.dumps(cases))
+    args = [str(SCRIPT), str(out / "cases.json"), str(out), str(world)]
+    if how == "torchrun":
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            *args,
+        ]
+        env = dict(os.environ)
+    else:
+        command = [sys.executable, *args]
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        return -9, log.decode()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # children of Lightning's launcher that outlived rank 0
+    return proc.returncode, log.decode()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+    """Every launch's results by rank, and its output folder under "dir"."""
+    results = []
+    for i, (how, world, cases) in enumerate(LAUNCHES):
+        out = tmp_path_factory.mktemp(f"launch{i}")
+        code, log = launch(how, world, cases, out)
+        assert code == 0, f"{how} on {world} processes failed ({code}):\n{log[-5000:]}"
+        result: dict[Any, Any] = {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
+        result["dir"] = out
+        results.append(result)
+    return results
+
+
+def _case_id(index: int) -> str:
+    launch_index, case = CASES[index]
+    how, world, _ = LAUNCHES[launch_index]
+    sub = "-submodule" if case.get("via_submodule") else ""
+    return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}"
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=_case_id)
+def test_strategy_equals_single_process(runs: list[dict[Any, Any]], index: int, tmp_path: Path) -> None:
+    launch_index, case = CASES[index]
+    _, world, cases = LAUNCHES[launch_index]
+    position = cases.index(case)
+    replicas = world // case["stages"]
+    model, expected_losses, expected_metrics = fit({**case, "ckpt_dir": str(tmp_path)}, "auto", 1, replicas)
+    expected = dict(model.named_parameters())
+    seen: set[str] = set()
+    for rank, results in runs[launch_index].items():
+        if rank == "dir":
+            continue
+        got = results[position]
+        assert got["plan_stages"] == case["stages"]
+        assert got["losses"] == pytest.approx(expected_losses, rel=1e-5), f"rank {rank}: loss curve differs"
+        assert got["metrics"] == pytest.approx(expected_metrics, rel=1e-5), f"rank {rank}: metrics differ"
+        for name, value in got["params"].items():
+            ref = expected[name].detach()
+            error = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            assert error < 1e-5, f"rank {rank}: {name} differs (relative error {error:.2e})"
+            seen.add(name)
+    assert seen == set(expected), f"parameters held by no rank: {sorted(set(expected) - seen)}"
+    if case.get("validate"):  # ModelCheckpoint(monitor="val_loss") wrote the whole model, gathered on rank 0
+        (path,) = (runs[launch_index]["dir"] / f"ckpt{position}").glob("*.ckpt")
+        saved = torch.load(path, weights_only=True)["state_dict"]
+        for name, ref in expected.items():
+            torch.testing.assert_close(saved[name], ref.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
+    """The last rank raises in its training step: the launch ends with an error, nothing hangs or lingers."""
+    start = time.monotonic()
+    code, log = launch("lightning", 2, [{"model": "mlp", "stages": 2, "fail_at": 1}], tmp_path, timeout=90)
+    assert code not in (0, -9), f"expected an error exit, got {code}:\n{log[-3000:]}"
+    assert "injected failure on rank 1" in log
+    assert time.monotonic() - start < 90
