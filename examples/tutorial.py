@@ -92,40 +92,57 @@ class _Throughput(L.Callback):
         self.steps = trainer.global_step - self.warmup
         if self.start is not None and self.steps > 0:
             elapsed = time.perf_counter() - self.start
-            samples = self.steps * self.batch_size * trainer.world_size
+            # One batch per data-parallel replica per step (the stages of one pipeline share their batch).
+            replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1}
+            samples = self.steps * self.batch_size * replicas["num_replicas"]
             if trainer.is_global_zero:
                 print(f"{samples / elapsed:.1f} samples/s ({self.steps} steps in {elapsed:.2f} s)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train ``Net`` for a few steps and print the parameter count and the throughput.
+    """Train ``Net`` with ``strategy="autopart"`` on CPU processes; print the plan, the loss and samples/s.
 
-    Run from the repository root: ``python -m examples.tutorial --hidden 512 --layers 10``.
+    Run from the repository root: ``python -m examples.tutorial`` (2 processes, the planner decides), or force a
+    pipeline with ``--num-stages 2`` or a small ``--device-memory 20MB``. ``--strategy ddp`` runs plain DDP.
     """
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch and per process")
-    parser.add_argument("--max-steps", type=int, default=20)
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--strategy", default="auto")
-    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch of one pipeline replica")
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--devices", type=int, default=2, help="CPU processes (Lightning starts the others)")
+    parser.add_argument("--strategy", default="autopart", help="autopart (default), ddp, auto, ...")
+    parser.add_argument("--num-stages", type=int, default=None, help="force the pipeline depth")
+    parser.add_argument("--micro-batches", type=int, default=None, help="force the micro-batch count")
+    parser.add_argument("--device-memory", default=None, help="pretend each device has this much memory, e.g. 20MB")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
 
+    torch.set_num_threads(1)
     model = Net(args.hidden, args.layers, lr=args.lr, batch_size=args.batch_size, optimizer=args.optimizer)
-    print(f"#Parameters={sum(p.numel() for p in model.parameters())}")
+    strategy: Any = args.strategy
+    if args.strategy == "autopart":
+        from lightning_autopart import AutoPartitionStrategy
+
+        strategy = AutoPartitionStrategy(
+            num_stages=args.num_stages, micro_batches=args.micro_batches, device_memory=args.device_memory
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=args.strategy,
+        strategy=strategy,
         max_steps=args.max_steps,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         callbacks=[_Throughput(args.batch_size)],
     )
+    if trainer.is_global_zero:
+        print(f"#Parameters={sum(p.numel() for p in model.parameters())}")
     trainer.fit(model)
+    if trainer.is_global_zero:
+        print(f"final train_loss={float(trainer.callback_metrics['train_loss']):.4f}")
 
 
 if __name__ == "__main__":

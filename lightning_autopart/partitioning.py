@@ -25,6 +25,7 @@ __all__ = [
     "build_local_stages",
     "choose_micro_batches",
     "gather_state_dict",
+    "optimizer_kind",
     "plan_for_batch",
 ]
 
@@ -44,6 +45,25 @@ class PlanSettings:
     load_plan: str | None = None
     save_plan: str | None = None
     max_blocks: int = 64
+    #: Optimizer whose state the memory model counts (see :func:`optimizer_kind`).
+    optimizer: str = "sgd"
+
+
+def optimizer_kind(optimizers: Iterable[Any]) -> str:
+    """The optimizer name the memory model knows ("sgd", "sgd_momentum", "adam", ...) for the user's optimizers.
+
+    Unknown optimizers count as "adam" (two states per parameter), the common worst case.
+    """
+    kinds = {"sgd": 0.0, "sgd_momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0, "adam": 2.0, "adamw": 2.0}
+    worst = "sgd"
+    for optimizer in optimizers:
+        name = type(optimizer).__name__.lower()
+        if name == "sgd":
+            momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+            name = "sgd_momentum" if momentum else "sgd"
+        name = name if name in kinds else "adam"
+        worst = name if kinds[name] > kinds[worst] else worst
+    return worst
 
 
 def choose_micro_batches(requested: int | None, local_batch: int) -> int | None:
@@ -162,7 +182,14 @@ def _make_plan(
     cluster = Cluster.from_spec(
         spec, devices=world_size // num_nodes, nodes=num_nodes, device_memory=settings.device_memory
     )
-    prof = profile_model(root, inputs, profile=settings.profile, spec=spec, max_blocks=settings.max_blocks)
+    prof = profile_model(
+        root,
+        inputs,
+        profile=settings.profile,
+        spec=spec,
+        optimizer=settings.optimizer,
+        max_blocks=settings.max_blocks,
+    )
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
         raise ConfigError(
             f"num_stages={settings.num_stages} is more than the {prof.num_blocks} blocks the model splits into; "

@@ -46,6 +46,7 @@ from lightning_autopart.partitioning import (
     PlanSettings,
     build_local_stages,
     gather_state_dict,
+    optimizer_kind,
     plan_for_batch,
 )
 from lightning_autopart.plan import SCHEDULES, Plan
@@ -133,6 +134,7 @@ class AutoPartitionStrategy(ParallelStrategy):
         self.num_nodes = 1
         #: The plan every rank runs (set in ``setup`` when fitting).
         self.plan: Plan | None = None
+        self._hidden_example: Any = None
         self._runner: PipelineRunner | None = None
         self._root_name = ""
         self._pp_group: dist.ProcessGroup | None = None
@@ -255,6 +257,7 @@ class AutoPartitionStrategy(ParallelStrategy):
             self.profile,
             self.load_plan,
             self.save_plan,
+            optimizer=optimizer_kind(self.optimizers),
         )
         plan = plan_for_batch(
             settings,
@@ -298,6 +301,20 @@ class AutoPartitionStrategy(ParallelStrategy):
         for p in root.parameters():
             if id(p) in in_blocks and id(p) not in local:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # Lightning's ModelSummary runs the whole model on example_input_array at on_fit_start, which this rank
+        # can no longer do: hide the example until training starts (restored in on_train_start and teardown).
+        self._hidden_example = lm.example_input_array
+        lm.example_input_array = None
+
+    def _restore_example(self) -> None:
+        if self._hidden_example is not None and self.lightning_module is not None:
+            self.lightning_module.example_input_array = self._hidden_example
+        self._hidden_example = None
+
+    @override
+    def on_train_start(self) -> None:
+        self._restore_example()
+        super().on_train_start()
 
     def _root(self) -> nn.Module:
         lm = self._lm
@@ -472,6 +489,7 @@ class AutoPartitionStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._restore_example()
         self._runner = None
         self._stash = None
         super().teardown()

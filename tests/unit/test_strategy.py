@@ -277,3 +277,15 @@ def test_default_settings_plan_from_the_first_batch() -> None:
     assert losses == pytest.approx(expected, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_optimizer_kind_sizes_the_state_the_user_configured() -> None:
+    from lightning_autopart.partitioning import optimizer_kind
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_kind([torch.optim.SGD(p, lr=0.1)]) == "sgd"
+    assert optimizer_kind([torch.optim.SGD(p, lr=0.1, momentum=0.9)]) == "sgd_momentum"
+    assert optimizer_kind([torch.optim.AdamW(p)]) == "adamw"
+    assert optimizer_kind([torch.optim.SGD(p, lr=0.1), torch.optim.Adam(p)]) == "adam"
+    assert optimizer_kind([torch.optim.LBFGS(p)]) == "adam"  # unknown: counted as two states per parameter
+    assert optimizer_kind([]) == "sgd"
