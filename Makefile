@@ -1,5 +1,5 @@
 # Two entry points that work on a fresh machine with only python3 and pip:
-#   make demo   runs the main job (for now: plan the seed tutorial model for 8 A100-40GB, then for 2 CPUs)
+#   make demo   runs the main job: trains the seed tutorial model with strategy="autopart" on 2 CPU processes
 #   make test   runs the test suite (ruff, mypy, pytest)
 # Both create and reuse a local virtual environment in .venv (an installed torch is reused, never replaced).
 
@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.autopart-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo plan-demo test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.py
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -18,12 +18,13 @@ $(STAMP): pyproject.toml scripts/ensure_torch.py
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python -m examples.tutorial --devices 2 --max-steps 40 --device-memory 12MB --hidden 256
+
+plan-demo: $(STAMP)
 	$(BIN)/autopart plan --model examples.tutorial.Net --model.init_args.hidden 5000 --model.init_args.layers 100 \
 		--devices 8 --device-memory 40GB --batch-size 512 --profile estimate --device-spec a100-40gb \
 		-o out/tutorial-plan.json
 	$(BIN)/autopart show out/tutorial-plan.json --timeline out/tutorial-timeline.png --memory out/tutorial-memory.png
-	$(BIN)/autopart plan --model examples.tutorial.Net --model.init_args.hidden 512 --model.init_args.layers 10 \
-		--devices 2 --batch-size 64 --profile measure
 
 lint: $(STAMP)
 	$(BIN)/ruff check lightning_autopart tests examples bench scripts
