@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
@@ -141,6 +141,8 @@ def fit(
     if case.get("validate"):
         val = DataLoader(dataset(case["model"], 2 * LOCAL_BATCH * replicas), batch_size=batch)
         callbacks.append(ModelCheckpoint(dirpath=case.get("ckpt_dir"), monitor="val_loss"))
+        # Every rank must see val_loss and agree on stopping (reduce_boolean_decision over the whole world).
+        callbacks.append(EarlyStopping(monitor="val_loss", patience=1000))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
