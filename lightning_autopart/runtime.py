@@ -10,6 +10,16 @@ summed over the stages that hold a copy and averaged over replicas, in one all-r
 micro-batch and keeps them: every step must bring exactly ``plan.batch_size / replicas`` samples per replica,
 split evenly into ``plan.micro_batches`` micro-batches (the plan guarantees divisibility). Another batch
 size raises :class:`~lightning_autopart.errors.ConfigError` before any communication starts.
+
+[Note: overlapped all-reduce] As DDP does, the replicas' gradient all-reduce overlaps the last micro-batch's
+backward: parameters are grouped into buckets of about ``BUCKET_BYTES`` in reverse registration order (about
+the order backward finishes them), and a post-accumulate-grad hook counts each parameter's accumulations; when
+every parameter of a bucket has received its last micro-batch's gradient, the bucket is flattened and
+all-reduced asynchronously. After the schedule (which divides gradients by the micro-batches), the summed
+buckets are copied back divided by ``replicas x micro_batches``; this equals averaging the scaled gradients,
+also when ``.grad`` held an earlier step's (already averaged, so equal) gradient. Stages are captured graphs,
+so every replica finishes its buckets in the same order; a bucket that never became ready (a parameter that
+got no gradient) is reduced after the schedule, on every replica alike.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from lightning_autopart.topology import build_groups, place, tied_ranks
 __all__ = ["PipelineRunner"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+#: Gradient bytes per overlapped all-reduce bucket (see [Note: overlapped all-reduce]).
+BUCKET_BYTES = 2 * 1024 * 1024
 
 
 class PipelineRunner:
@@ -97,6 +110,9 @@ class PipelineRunner:
             if p.requires_grad and id(p) not in tied_ids
         ]
         self._loss_fn = loss_fn
+        self._buckets: list[_Bucket] = []
+        if plan.replicas > 1 and self._dp_group is not None:
+            self._buckets = _make_buckets(self._params, plan.micro_batches, self._dp_group)
         self._train = self._schedule(with_loss=True)
         self._eval = self._schedule(with_loss=False)
 
@@ -130,7 +146,13 @@ class PipelineRunner:
         args = self._check(inputs, target)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        self._train.step(*args, **kwargs)
+        for bucket in self._buckets:
+            bucket.reset()
+        try:
+            self._train.step(*args, **kwargs)
+        finally:
+            for bucket in self._buckets:
+                bucket.active = False
         self._reduce_gradients()
         return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
 
@@ -212,11 +234,91 @@ class PipelineRunner:
     def _reduce_gradients(self) -> None:
         """Average gradients over the replicas; sum tied gradients over their stages (see the note above)."""
         replicas = self.plan.replicas
-        if replicas > 1 and self._dp_group is not None:
-            _all_reduce([p.grad for p in self._params if p.grad is not None], self._dp_group, replicas)
+        for bucket in self._buckets:
+            bucket.finish(replicas)
         for param, group in self._tied:
             if param.grad is not None and group is not None:
                 _all_reduce([param.grad], group, replicas)
+
+
+class _Bucket:
+    """Parameters whose gradients are all-reduced in one flat message, launched from backward when ready."""
+
+    def __init__(self, params: list[nn.Parameter], micro_batches: int, group: dist.ProcessGroup) -> None:
+        self.params = params
+        self.micro_batches = micro_batches
+        self.group = group
+        self.active = False
+        self._counts = [0] * len(params)
+        self._pending = len(params)
+        self._flat: torch.Tensor | None = None
+        self._work: Any = None
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._hook(i))
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self.active:
+                return
+            self._counts[index] += 1
+            if self._counts[index] == self.micro_batches:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._launch()
+
+        return hook
+
+    def reset(self) -> None:
+        """Arm the bucket for a training step."""
+        self.active = True
+        self._counts = [0] * len(self.params)
+        self._pending = len(self.params)
+        self._flat = None
+        self._work = None
+
+    def _launch(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            self._flat = torch.empty(0)
+            return
+        self._flat = torch.cat([g.reshape(-1) for g in grads])
+        self._work = dist.all_reduce(self._flat, group=self.group, async_op=True)
+
+    def finish(self, replicas: int) -> None:
+        """Wait for the bucket's all-reduce (launching it now if backward never did) and write the mean back."""
+        if self._flat is None:
+            # Not every parameter got its last gradient (unused in the graph): the same on every replica.
+            # Gradients are already divided by the micro-batches here: average over the replicas only.
+            _all_reduce([p.grad for p in self.params if p.grad is not None], self.group, replicas)
+            return
+        if self._work is not None:
+            self._work.wait()
+        flat = self._flat
+        flat /= replicas * self.micro_batches
+        offset = 0
+        for p in self.params:
+            if p.grad is not None:
+                g = p.grad
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._flat = None
+        self._work = None
+
+
+def _make_buckets(params: list[nn.Parameter], micro_batches: int, group: dist.ProcessGroup) -> list[_Bucket]:
+    """Buckets of about BUCKET_BYTES over ``params`` in reverse order (the order backward tends to finish them)."""
+    buckets: list[_Bucket] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= BUCKET_BYTES:
+            buckets.append(_Bucket(current, micro_batches, group))
+            current, size = [], 0
+    if current:
+        buckets.append(_Bucket(current, micro_batches, group))
+    return buckets
 
 
 def _all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:

@@ -195,7 +195,7 @@ def test_synthetic_images_shapes_and_labels() -> None:
 
 
 def test_tutorial_main_trains_and_reports_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--hidden", "32", "--layers", "2", "--batch-size", "8", "--max-steps", "3"])
+    main(["--hidden", "32", "--layers", "2", "--batch-size", "8", "--max-steps", "3", "--devices", "1", "--strategy", "auto"])
     out = capsys.readouterr().out
     assert "#Parameters=2112" in out
     assert "samples/s" in out

@@ -1,0 +1,105 @@
+"""``AutoPartitionStrategy()`` with the planner's own choices on 2 gloo processes: equal to one-process Lightning."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from tests.distributed.strategy_cases import LOCAL_BATCH, STEPS, dataset, global_order, make_lit
+from tests.distributed.test_strategy_cpu import _free_port
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).with_name("_auto_plan_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 2
+SAMPLES = LOCAL_BATCH * 2 * STEPS  # as in the script
+
+
+def _launch(out: Path, mode: str, timeout: float = 90.0) -> str:
+    """Run the script on WORLD processes through Lightning's launcher; kill the whole session afterwards."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(out), str(WORLD), mode],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{mode} run timed out after {timeout} s:\n{log.decode()[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # children of Lightning's launcher that outlived rank 0
+    text = log.decode()
+    assert proc.returncode == 0, f"{mode} run failed ({proc.returncode}):\n{text[-5000:]}"
+    return text
+
+
+def _reference(replicas: int) -> dict[str, torch.Tensor]:
+    """One process, the same global batches: shard k of every replica's DistributedSampler, in one batch."""
+    model = make_lit({"model": "mlp"})
+    data = Subset(dataset("mlp", SAMPLES), global_order(SAMPLES, replicas))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=LOCAL_BATCH * replicas))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _check_equal(results: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -> None:
+    seen: set[str] = set()
+    for rank, result in enumerate(results):
+        for name, value in result["params"].items():
+            ref = expected[name]
+            error = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            assert error < 1e-5, f"rank {rank}: {name} differs (relative error {error:.2e})"
+            seen.add(name)
+    assert seen == set(expected), f"parameters held by no rank: {sorted(set(expected) - seen)}"
+
+
+def test_planner_decides_and_a_saved_plan_reloads(tmp_path: Path) -> None:
+    log = _launch(tmp_path, "save")
+    assert "Stages (times per micro-batch" in log and "Replicas × ranks" in log, f"no stage table:\n{log}"
+    assert "Profile      measure" in log, "the strategy should profile by measuring by default"
+    assert (tmp_path / "plan.json").is_file()
+    saved = [torch.load(tmp_path / f"save_rank{r}.pt") for r in range(WORLD)]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert all(json.loads(s["plan"]) == plan for s in saved), "ranks ran different plans"
+    expected = _reference(saved[0]["replicas"])
+    _check_equal(saved, expected)
+
+    log = _launch(tmp_path, "load")
+    assert "Stages (times per micro-batch" in log
+    loaded = [torch.load(tmp_path / f"load_rank{r}.pt") for r in range(WORLD)]
+    assert all(json.loads(r["plan"]) == plan for r in loaded), "the loaded run did not use the saved plan"
+    _check_equal(loaded, expected)
+    for a, b in zip(saved, loaded, strict=True):
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            torch.testing.assert_close(b["params"][name], a["params"][name], rtol=0, atol=0, msg=name)
