@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.distributed.launch import TIMED_OUT, free_port, run_job
 from tests.distributed.runtime_cases import batches, loss_fn
 from tests.models import make
 
@@ -38,37 +35,13 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(world: int, cases: list[dict[str, Any]], out: Path, timeout: float = 150.0) -> dict[int, Any]:
-    """Run the worker under torchrun on ``world`` ranks; return {rank: results}; kill everything on timeout."""
+    """Run the worker under torchrun on ``world`` ranks; return {rank: results}."""
     (out / "cases.json").write_text(json.dumps(cases))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={world}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(WORKER),
-        str(out / "cases.json"),
-        str(out),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun on {world} ranks timed out after {timeout} s:\n{log.decode()[-4000:]}")
-    assert proc.returncode == 0, f"torchrun on {world} ranks failed:\n{log.decode()[-4000:]}"
+    code, log = run_job([str(WORKER), str(out / "cases.json"), str(out)], world, "torchrun", timeout)
+    if code == TIMED_OUT:
+        pytest.fail(f"torchrun on {world} ranks timed out after {timeout} s:\n{log[-4000:]}")
+    assert code == 0, f"torchrun on {world} ranks failed:\n{log[-4000:]}"
     return {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
 
 
@@ -121,7 +94,7 @@ def test_pipeline_equals_single_process(runs: dict[int, dict[int, Any]], index: 
 @pytest.fixture
 def single_process_pg() -> None:
     """A gloo process group of one rank in this process (torn down by conftest)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
 
 

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from tests.distributed.launch import TIMED_OUT, run_job
 from tests.distributed.strategy_cases import LOCAL_BATCH, STEPS, dataset, global_order, make_lit
-from tests.distributed.test_strategy_cpu import _free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -28,30 +23,11 @@ SAMPLES = LOCAL_BATCH * 2 * STEPS  # as in the script
 
 
 def _launch(out: Path, mode: str, timeout: float = 90.0) -> str:
-    """Run the script on WORLD processes through Lightning's launcher; kill the whole session afterwards."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-        env.pop(key, None)
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(out), str(WORLD), mode],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{mode} run timed out after {timeout} s:\n{log.decode()[-4000:]}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # children of Lightning's launcher that outlived rank 0
-    text = log.decode()
-    assert proc.returncode == 0, f"{mode} run failed ({proc.returncode}):\n{text[-5000:]}"
+    """Run the script on WORLD processes through Lightning's launcher."""
+    code, text = run_job([str(SCRIPT), str(out), str(WORLD), mode], WORLD, "lightning", timeout)
+    if code == TIMED_OUT:
+        pytest.fail(f"{mode} run timed out after {timeout} s:\n{text[-4000:]}")
+    assert code == 0, f"{mode} run failed ({code}):\n{text[-5000:]}"
     return text
 
 

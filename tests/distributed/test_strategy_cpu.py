@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed.launch import run_job
 from tests.distributed.strategy_cases import fit
 
 pytestmark = pytest.mark.distributed
@@ -55,48 +50,12 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
 CASES = [(launch, case) for launch, (_, _, cases) in enumerate(LAUNCHES) for case in cases]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(
     how: str, world: int, cases: list[dict[str, Any]], out: Path, timeout: float = 120.0
 ) -> tuple[int, str]:
     """Run the script on ``world`` processes (Lightning's launcher or torchrun); kill them all on timeout."""
     (out / "cases.json").write_text(json.dumps(cases))
-    args = [str(SCRIPT), str(out / "cases.json"), str(out), str(world)]
-    if how == "torchrun":
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
-            *args,
-        ]
-        env = dict(os.environ)
-    else:
-        command = [sys.executable, *args]
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
-        env.pop(key, None)
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        return -9, log.decode()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # children of Lightning's launcher that outlived rank 0
-    return proc.returncode, log.decode()
+    return run_job([str(SCRIPT), str(out / "cases.json"), str(out), str(world)], world, how, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,55 @@
+"""Start a multi-process job the way users do (Lightning's launcher or torchrun) and never leave a process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Exit code reported when the job ran past its timeout and was killed.
+TIMED_OUT = -9
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_job(args: list[str], world: int, how: str = "lightning", timeout: float = 120.0) -> tuple[int, str]:
+    """Run ``python *args`` on ``world`` processes; return (exit code or TIMED_OUT, output).
+
+    ``how="lightning"`` runs the script once and lets Lightning's launcher start the other local ranks;
+    ``how="torchrun"`` starts them all with ``torch.distributed.run``. The job runs in its own session, killed
+    whole on timeout and afterwards (children of Lightning's launcher may outlive rank 0).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if how == "torchrun":
+        launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1"]
+        command = [sys.executable, *launcher, f"--master_port={free_port()}", *args]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        command = [sys.executable, *args]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        code = TIMED_OUT
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, log.decode()
