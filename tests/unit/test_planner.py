@@ -15,6 +15,8 @@ def test_estimate_without_spec_prices_the_clusters_own_device() -> None:
     cluster = Cluster.from_spec("h100-80gb", devices=4)
     implicit = plan_model(model, model.example_input_array, cluster, batch_size=64)
     explicit = plan_model(model, model.example_input_array, cluster, batch_size=64, spec="h100-80gb")
+    assert implicit.device == explicit.device == "h100-80gb"
     assert implicit.prediction.step_us == explicit.prediction.step_us
     cpu = plan_model(model, model.example_input_array, cluster, batch_size=64, spec="cpu")
-    assert cpu.prediction.step_us > 10 * implicit.prediction.step_us
+    assert cpu.device == "cpu"
+    assert cpu.prediction.step_us > implicit.prediction.step_us  # the calibrated CPU is slower on any machine
