@@ -25,6 +25,7 @@ __all__ = [
     "build_local_stages",
     "choose_micro_batches",
     "gather_state_dict",
+    "move_in_place",
     "optimizer_kind",
     "plan_for_batch",
 ]
@@ -146,6 +147,22 @@ def build_local_stages(
     elsewhere = {id(captured.module.get_parameter(fqn)) for fqn, stages in tied if min(stages) not in mine}
     in_blocks = {id(root.get_parameter(fqn)) for block in captured.blocks for fqn in block.params}
     return modules, tied, elsewhere, in_blocks
+
+
+def move_in_place(module: nn.Module, device: torch.device) -> None:
+    """Move every parameter, gradient and buffer of ``module`` to ``device`` keeping each tensor object.
+
+    ``Module.to`` replaces buffers by new tensors, which would part the stage modules (built over the same
+    tensors) from the LightningModule; setting ``.data`` keeps them one tensor.
+    """
+    for p in module.parameters():
+        if p.device != device:
+            p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+    for b in module.buffers():
+        if b.device != device:
+            b.data = b.data.to(device)
 
 
 def _make_plan(

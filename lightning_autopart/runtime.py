@@ -20,6 +20,15 @@ buckets are copied back divided by ``replicas x micro_batches``; this equals ave
 also when ``.grad`` held an earlier step's (already averaged, so equal) gradient. Stages are captured graphs,
 so every replica finishes its buckets in the same order; a bucket that never became ready (a parameter that
 got no gradient) is reduced after the schedule, on every replica alike.
+
+[Note: accumulation] ``step`` adds to ``.grad`` as ``loss.backward()`` does, and like DDP's ``no_sync`` a
+step with ``sync=False`` adds only this replica's local gradient. The gradients held before a step are set
+aside while the schedule runs (it divides whatever ``.grad`` holds by the micro-batches) and added back after.
+A ``sync=True`` step all-reduces them (the local sum of the window's earlier steps) asynchronously from the
+start of its schedule, so that message overlaps the whole forward and backward, while the buckets carry this
+step's own gradients; a tied parameter's total is summed over its holders once, at the end. So an accumulation
+window of k steps costs one all-reduce of the stage's gradients plus one overlapped message, not k. Zero the
+gradients after each optimizer step, as usual.
 """
 
 from __future__ import annotations
@@ -131,12 +140,16 @@ class PipelineRunner:
         """Samples per step on one replica: ``plan.batch_size / replicas``."""
         return self.plan.batch_size // self.plan.replicas
 
-    def step(self, inputs: Any = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Forward and backward of one step on this replica's shard, then the gradient all-reduces.
+    def step(
+        self, inputs: Any = None, target: torch.Tensor | None = None, *, sync: bool = True
+    ) -> torch.Tensor | None:
+        """Forward and backward of one step on this replica's shard; gradients add to ``.grad`` as autograd's do.
 
         Args:
             inputs: The model's inputs (a Tensor or a tuple of them), first stage only; others pass None.
             target: The loss target, last stage only.
+            sync: Whether to all-reduce the gradients among the replicas after this step (see
+                [Note: accumulation]); pass False on every step of an accumulation window but the last.
 
         Returns:
             On the last stage the mean of the micro-batch losses (detached); elsewhere None.
@@ -146,14 +159,32 @@ class PipelineRunner:
         args = self._check(inputs, target)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        # The schedule divides every .grad by the micro-batches: set earlier gradients aside until it is done.
+        params = self._params + [p for p, _ in self._tied]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        local = earlier[: len(self._params)]
+        pending = None
+        if sync and self._buckets and self._dp_group is not None and any(g is not None for g in local):
+            pending = _start_all_reduce(local, self._dp_group)
         for bucket in self._buckets:
-            bucket.reset()
+            bucket.reset(active=sync)
         try:
             self._train.step(*args, **kwargs)
         finally:
             for bucket in self._buckets:
                 bucket.active = False
-        self._reduce_gradients()
+        if sync:
+            for bucket in self._buckets:
+                bucket.finish(self.plan.replicas)
+            if pending is not None:
+                pending.wait()
+        for p, g in zip(params, earlier, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        if sync:
+            self._reduce_tied()
         return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
 
     @torch.no_grad()
@@ -231,14 +262,11 @@ class PipelineRunner:
             out.append((param, groups[ranks] if len(ranks) > 1 else None))
         return out
 
-    def _reduce_gradients(self) -> None:
-        """Average gradients over the replicas; sum tied gradients over their stages (see the note above)."""
-        replicas = self.plan.replicas
-        for bucket in self._buckets:
-            bucket.finish(replicas)
+    def _reduce_tied(self) -> None:
+        """Sum each tied gradient over the stages holding it, averaged over replicas (one all-reduce each)."""
         for param, group in self._tied:
             if param.grad is not None and group is not None:
-                _all_reduce([param.grad], group, replicas)
+                _all_reduce([param.grad], group, self.plan.replicas)
 
 
 class _Bucket:
@@ -268,9 +296,9 @@ class _Bucket:
 
         return hook
 
-    def reset(self) -> None:
-        """Arm the bucket for a training step."""
-        self.active = True
+    def reset(self, active: bool = True) -> None:
+        """Arm the bucket for a training step (``active=False``: a step that does not all-reduce)."""
+        self.active = active
         self._counts = [0] * len(self.params)
         self._pending = len(self.params)
         self._flat = None
@@ -321,18 +349,35 @@ def _make_buckets(params: list[nn.Parameter], micro_batches: int, group: dist.Pr
     return buckets
 
 
+class _PendingReduce:
+    """An asynchronous all-reduce of several gradients in one flat message; ``wait`` writes back the mean."""
+
+    def __init__(self, grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:
+        self.grads = grads
+        self.divisor = divisor
+        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def wait(self) -> None:
+        """Wait for the sum, divide it by ``divisor`` and copy it back into the gradients, in place."""
+        self.work.wait()
+        if self.divisor != 1:
+            self.flat /= self.divisor
+        offset = 0
+        for g in self.grads:
+            g.copy_(self.flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _start_all_reduce(grads: list[torch.Tensor | None], group: dist.ProcessGroup) -> _PendingReduce:
+    """Launch the replicas' mean of the gradients that are not None (see [Note: accumulation])."""
+    return _PendingReduce([g for g in grads if g is not None], group, dist.get_world_size(group))
+
+
 def _all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:
     """Sum ``grads`` over ``group`` in one flat message, then divide by ``divisor``, in place."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    if divisor != 1:
-        flat /= divisor
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads:
+        _PendingReduce(grads, group, divisor).wait()
 
 
 def _unwrap(output: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -32,26 +31,20 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning_hooks import (
-    LogRecord,
-    batch_size_of,
-    capture_logs,
-    find_forward,
-    flat_inputs,
-    merge_logs,
-    replaced_forward,
-    slice_batch,
-)
+from lightning_autopart.lightning_hooks import batch_size_of, find_forward
+from lightning_autopart.log_channel import open_log_channel
 from lightning_autopart.partitioning import (
     PlanSettings,
     build_local_stages,
     gather_state_dict,
+    move_in_place,
     optimizer_kind,
     plan_for_batch,
 )
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.runtime import PipelineRunner
 from lightning_autopart.stage_grads import clip_by_global_norm
+from lightning_autopart.steps import PipelinedSteps
 from lightning_autopart.topology import build_groups
 
 if TYPE_CHECKING:
@@ -135,13 +128,15 @@ class AutoPartitionStrategy(ParallelStrategy):
         #: The plan every rank runs (set in ``setup`` when fitting).
         self.plan: Plan | None = None
         self._hidden_example: Any = None
-        self._runner: PipelineRunner | None = None
-        self._root_name = ""
+        self._steps: PipelinedSteps | None = None
         self._pp_group: dist.ProcessGroup | None = None
         self._params: list[nn.Parameter] = []
-        self._stash: list[Tensor | None] | None = None
+        self._stash: list[Tensor | None] = []
         self._counted_elsewhere: set[int] = set()
-        self._loss_fn: Any = None
+
+    @property
+    def _runner(self) -> PipelineRunner | None:
+        return self._steps.runner if self._steps is not None else None
 
     @classmethod
     @override
@@ -225,16 +220,18 @@ class AutoPartitionStrategy(ParallelStrategy):
             )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            self.model_to_device()
+            self.setup_precision_plugin()
+            return
+        self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if fitting:
-            self._partition(trainer)
-            _optimizers_to_device(self.optimizers, self.root_device)
-            # Clipping by norm needs the norm over the whole model, not over this rank's stage.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        # Plan and split where the model was built (the CPU, usually): only this rank's stage reaches the device.
+        self._partition(trainer)
+        self.model_to_device()
+        _optimizers_to_device(self.optimizers, self.root_device)
+        # Clipping by norm needs the norm over the whole model, not over this rank's stage.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -244,10 +241,10 @@ class AutoPartitionStrategy(ParallelStrategy):
     def _partition(self, trainer: pl.Trainer) -> None:
         """Plan from the first training batch, build this rank's stage and keep the optimizers to its parameters."""
         lm = self._lm
-        batch = self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
+        home = next((p.device for p in lm.parameters()), torch.device("cpu"))
+        batch = self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())), device=home)
         call = find_forward(lm, lambda: lm.training_step(batch, 0))
-        self._root_name = call.name
-        root = self._root()
+        root = lm.get_submodule(call.name) if call.name else lm
         size = batch_size_of(batch)
         settings = PlanSettings(
             self.num_stages,
@@ -282,25 +279,28 @@ class AutoPartitionStrategy(ParallelStrategy):
         if outside:
             raise ConfigError(
                 f"parameters {', '.join(outside[:5])} are optimized but not used by the pipelined model "
-                f"({self._root_name or type(lm).__name__}.forward); autopart trains only what the forward uses: "
+                f"({call.name or type(lm).__name__}.forward); autopart trains only what the forward uses: "
                 "move them into the model's forward, or leave them out of configure_optimizers"
             )
-        groups = build_groups(plan, tied)
         self._counted_elsewhere = counted_elsewhere
-        runner = PipelineRunner(
-            plan, modules, self.global_rank, self.root_device, self._call_loss, tied=tied, groups=groups
-        )
-        self._runner = runner
-        self._pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
-        self._params = list(dict.fromkeys(p for m in runner.modules.values() for p in m.parameters()))
+        self._params = list(dict.fromkeys(p for m in modules.values() for p in m.parameters()))
         local = {id(p) for p in self._params}
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in local]
-        # Free the other stages' weights (the whole model is gathered again to save a checkpoint).
+        # Free the other stages' weights (the whole model is gathered again to save a checkpoint), then move
+        # what is left, keeping every tensor's identity (stage modules and the module share them).
         for p in root.parameters():
             if id(p) in in_blocks and id(p) not in local:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        move_in_place(lm, self.root_device)
+        groups = build_groups(plan, tied)
+        channel = open_log_channel(plan, self.global_rank)
+        runner = PipelineRunner(
+            plan, modules, self.global_rank, self.root_device, self._call_loss, tied=tied, groups=groups
+        )
+        self._steps = PipelinedSteps(lm, call.name, runner, channel, self.root_device)
+        self._pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
         # Lightning's ModelSummary runs the whole model on example_input_array at on_fit_start, which this rank
         # can no longer do: hide the example until training starts (restored in on_train_start and teardown).
         self._hidden_example = lm.example_input_array
@@ -316,50 +316,29 @@ class AutoPartitionStrategy(ParallelStrategy):
         self._restore_example()
         super().on_train_start()
 
-    def _root(self) -> nn.Module:
-        lm = self._lm
-        return lm.get_submodule(self._root_name) if self._root_name else lm
-
     def _call_loss(self, output: Any, target: Tensor) -> Tensor:
-        return self._loss_fn(output, target)
+        assert self._steps is not None
+        return self._steps.call_loss(output, target)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runner is None:
+        if self._steps is None:
             raise ConfigError("AutoPartitionStrategy ran a training step before setup partitioned the model")
-        lm = self._lm
+        trainer = self._lm.trainer
         batch = args[0] if args else kwargs["batch"]
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        accumulate = lm.trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
-            self._stash = None
-        size = self._check_batch(batch)
-        # Logs by micro-batch start: pipelining may run the loss twice on its first step (shape inference).
-        by_micro: dict[int, list[LogRecord]] = {}
-
-        def loss_fn(output: Any, index: Tensor) -> Tensor:
-            lo, hi = int(index[0]), int(index[-1]) + 1
-            by_micro[lo] = []
-            with replaced_forward(self._root(), output), capture_logs(lm, by_micro[lo]):
-                out = lm.training_step(slice_batch(batch, lo, hi, size), batch_idx)
-            loss = out.get("loss") if isinstance(out, Mapping) else out
-            if not isinstance(loss, Tensor):
-                raise ConfigError(
-                    "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
-                )
-            return loss / accumulate
-
-        self._loss_fn = loss_fn
-        inputs = self._inputs(lambda: lm.training_step(batch, batch_idx))
-        target = torch.arange(size, device=self.root_device) if self._runner.is_last else None
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:  # Lightning zeroes gradients only after this step: start clean
+            for p in self._params:
+                p.grad = None
+        sync = not trainer.fit_loop._should_accumulate()
+        with self.precision_plugin.train_step_context():
+            loss = self._steps.train(batch, batch_idx, accumulate, sync)
+        # Hide the gradients from Lightning's zero_grad, which runs between this step and backward.
+        self._stash = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
-        with self.precision_plugin.train_step_context():
-            loss = self._runner.step(inputs, target)
-        self._keep_grads()
-        records = [r for lo in sorted(by_micro) for r in by_micro[lo]]
-        value = self._share(None if loss is None else float(loss) * accumulate, records)
-        return torch.tensor(value, device=self.root_device)
+        return loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -370,81 +349,20 @@ class AutoPartitionStrategy(ParallelStrategy):
         return self._eval_step("test_step", *args, **kwargs)
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        """Forward-only pipeline; the user's step runs on the last stage, its logs are replayed on all."""
-        if self._runner is None:
+        if self._steps is None:
             raise ConfigError(
                 f"AutoPartitionStrategy runs {hook} only during fit, after the model is partitioned"
             )
-        step = getattr(self._lm, hook)
-        self._check_batch(args[0] if args else kwargs["batch"])
-        inputs = self._inputs(lambda: step(*args, **kwargs))
         with self.precision_plugin.val_step_context():
-            output = self._runner.eval_step(inputs)
-        records: list[LogRecord] = []
-        out = None
-        if self._runner.is_last:
-            with replaced_forward(self._root(), output), capture_logs(self._lm, records):
-                out = step(*args, **kwargs)
-        self._share(None, records)
-        return out
-
-    def _check_batch(self, batch: Any) -> int:
-        assert self._runner is not None and self.plan is not None
-        size = batch_size_of(batch)
-        if size != self._runner.local_batch_size:
-            raise ConfigError(
-                f"a batch of {size} samples reached the pipeline, but the plan needs {self._runner.local_batch_size} "
-                f"per replica (global batch {self.plan.batch_size} over {self.plan.replicas} replicas): pipelined "
-                "shapes are fixed, so use drop_last=True and the same batch size in every loader"
-            )
-        return size
-
-    def _inputs(self, step: Any) -> tuple[Any, ...] | None:
-        """On the first stage, the inputs the user's step gives the model (the step is stopped there)."""
-        assert self._runner is not None
-        if not self._runner.is_first:
-            return None
-        call = find_forward(self._lm, step)
-        if call.name != self._root_name:
-            raise ConfigError(
-                f"the step called {call.name or 'self'} first, but the model was partitioned at "
-                f"{self._root_name or 'self'}; a step must call the same module every time"
-            )
-        return flat_inputs(self._root(), call)
-
-    def _keep_grads(self) -> None:
-        """Add this step's gradients to the window's and hide them from Lightning's zero_grad until backward."""
-        grads: list[Tensor | None] = [p.grad for p in self._params]
-        if self._stash is not None:
-            grads = [
-                g if s is None else s if g is None else s + g for g, s in zip(grads, self._stash, strict=True)
-            ]
-        self._stash = grads
-        for p in self._params:
-            p.grad = None
-
-    def _share(self, loss: float | None, records: list[LogRecord]) -> float:
-        """Send the last stage's loss and logs along the pipeline; replay the logs on every rank."""
-        assert self._runner is not None and self.plan is not None
-        payload: list[Any] = [(loss, merge_logs(records))]
-        if len(self._runner.placement.pp_ranks) > 1:
-            src = self.plan.stages[-1].ranks[self._runner.placement.replica]
-            dist.broadcast_object_list(payload, src=src, group=self._pp_group)
-        value, logs = payload[0]
-        lm = self._lm
-        for record in logs:
-            v = record.value.to(self.root_device) if isinstance(record.value, Tensor) else record.value
-            lm.log(record.name, v, **record.kwargs)
-        return float("nan") if value is None else float(value)
+            return self._steps.evaluate(hook, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """No autograd here (the pipeline ran it); fire the hooks and hand the gradients back."""
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
-        if self._stash is not None:
-            for p, g in zip(self._params, self._stash, strict=True):
-                p.grad = g
+        for p, g in zip(self._params, self._stash, strict=False):
+            p.grad = g
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
@@ -461,7 +379,8 @@ class AutoPartitionStrategy(ParallelStrategy):
         state = self._lm.state_dict()
         if self._runner is None or not _distributed_is_initialized() or self.world_size == 1:
             return state
-        prefix = f"{self._root_name}." if self._root_name else ""
+        assert self._steps is not None
+        prefix = f"{self._steps.root_name}." if self._steps.root_name else ""
         modules = self._runner.modules.values() if self._runner.placement.replica == 0 else ()
         return gather_state_dict(state, modules, prefix, self.global_rank, self.world_size)
 
@@ -490,6 +409,8 @@ class AutoPartitionStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._restore_example()
-        self._runner = None
-        self._stash = None
+        if self._steps is not None:
+            self._steps.channel.wait()
+        self._steps = None
+        self._stash = []
         super().teardown()

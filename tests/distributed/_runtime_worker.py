@@ -27,23 +27,45 @@ __all__: list[str] = []
 
 
 def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Train ``STEPS`` SGD steps of one case; return this rank's parameters and losses."""
+    """Train ``STEPS`` SGD steps of one case; return this rank's parameters and losses.
+
+    With ``accumulate`` = k, each optimizer step takes k batches of ``BATCH`` samples, k - 1 of them with
+    ``sync=False`` and a loss divided by k, as Lightning's ``accumulate_grad_batches`` does.
+    """
     model = make(case["model"])
     captured = capture(model, micro_example(case["model"]), method="export")
     plan = make_case_plan(case, captured.num_blocks)
-    runner = PipelineRunner(plan, captured, rank, "cpu", loss_fn(case["model"]))
+    k = case.get("accumulate", 1)
+    loss_of = loss_fn(case["model"])
+    runner = PipelineRunner(plan, captured, rank, "cpu", lambda out, y: loss_of(out, y) / k)
     params = list(dict.fromkeys(p for m in runner.modules.values() for p in m.parameters()))
     optimizer = torch.optim.SGD(params, lr=0.1)
     share = runner.local_batch_size
-    lo, hi = runner.placement.replica * share, (runner.placement.replica + 1) * share
     losses = []
-    for x, y in batches(case["model"], plan.batch_size):
-        loss = runner.step(x[lo:hi] if runner.is_first else None, y[lo:hi] if runner.is_last else None)
+    all_reduces = {True: 0, False: 0}  # calls by sync flag of the step
+    real_all_reduce = dist.all_reduce
+    for x, y in batches(case["model"], plan.batch_size * k):
+        total = None
+        for j in range(k):
+            lo = j * plan.batch_size + runner.placement.replica * share
+            xs, ys = x[lo : lo + share], y[lo : lo + share]
+            sync = j == k - 1
+
+            def counted(*args: Any, sync: bool = sync, **kwargs: Any) -> Any:
+                all_reduces[sync] += 1
+                return real_all_reduce(*args, **kwargs)
+
+            dist.all_reduce = counted
+            try:
+                loss = runner.step(xs if runner.is_first else None, ys if runner.is_last else None, sync=sync)
+            finally:
+                dist.all_reduce = real_all_reduce
+            total = None if loss is None else float(loss) + (total or 0.0)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(None if loss is None else float(loss))
+        losses.append(total)
     named = {n: p.detach().clone() for m in runner.modules.values() for n, p in m.named_parameters()}
-    return {"params": named, "losses": losses, "replica": runner.placement.replica}
+    return {"params": named, "losses": losses, "replica": runner.placement.replica, "all_reduces": all_reduces}
 
 
 def main() -> None:

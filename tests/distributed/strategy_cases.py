@@ -37,9 +37,12 @@ class CNN(nn.Module):
 class Lit(L.LightningModule):
     """A zoo model as a LightningModule; ``via_submodule`` calls ``self.model(...)`` in the step."""
 
-    def __init__(self, name: str, via_submodule: bool = False, lr: float = 0.1, fail_at: int = -1) -> None:
+    def __init__(
+        self, name: str, via_submodule: bool = False, lr: float = 0.1, fail_at: int = -1, extra_logs: bool = False
+    ) -> None:
         super().__init__()
         self.fail_at = fail_at
+        self.extra_logs = extra_logs
         self.name = name
         self.via_submodule = via_submodule
         self.lr = lr
@@ -63,6 +66,11 @@ class Lit(L.LightningModule):
             raise RuntimeError(f"injected failure on rank {self.global_rank}")
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        if self.extra_logs:  # logs that come and go change what the last stage sends along the pipeline
+            if batch_idx % 2 == 1:
+                self.log("last_odd_batch", batch_idx, reduce_fx="max")
+            self.log("loss_x2", 2 * loss, on_epoch=True, sync_dist=True)
+            self.log("half", 0.5)
         return loss
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
@@ -74,7 +82,12 @@ class Lit(L.LightningModule):
 
 def make_lit(case: dict[str, Any]) -> Lit:
     """The LightningModule of a case."""
-    return Lit(case["model"], via_submodule=case.get("via_submodule", False), fail_at=case.get("fail_at", -1))
+    return Lit(
+        case["model"],
+        via_submodule=case.get("via_submodule", False),
+        fail_at=case.get("fail_at", -1),
+        extra_logs=case.get("extra_logs", False),
+    )
 
 
 def dataset(name: str, n: int) -> TensorDataset:

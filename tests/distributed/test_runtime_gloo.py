@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import TIMED_OUT, free_port, run_job
-from tests.distributed.runtime_cases import batches, loss_fn
+from tests.distributed.runtime_cases import BATCH, batches, loss_fn
 from tests.models import make
 
 pytestmark = pytest.mark.distributed
@@ -32,6 +32,14 @@ CASES = [
 ] + [
     {"model": m, "stages": 4, "replicas": 1, "schedule": "Interleaved1F1B", "chunks": 2}
     for m in ("mlp", "gpt")
+] + [  # gradient accumulation: sync=False steps, then one all-reduce per optimizer step
+    {"model": m, "stages": s, "replicas": r, "schedule": k, "accumulate": a}
+    for m, s, r, k, a in (
+        ("mlp", 1, 2, "GPipe", 3),
+        ("residual", 2, 1, "1F1B", 2),
+        ("mlp", 2, 2, "GPipe", 2),
+        ("gpt", 2, 2, "1F1B", 2),
+    )
 ]
 
 
@@ -51,13 +59,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[int, Any]]:
     return {world: _launch(world, CASES, tmp_path_factory.mktemp(f"world{world}")) for world in LAYOUTS}
 
 
-def _reference(model_name: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _reference(model_name: str, accumulate: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Parameters and losses after the same SGD steps in one process on the global batches."""
     model = make(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of = loss_fn(model_name)
     losses = []
-    for x, y in batches(model_name):
+    for x, y in batches(model_name, BATCH * accumulate):
         loss = loss_of(model(x), y)
         loss.backward()
         optimizer.step()
@@ -67,7 +75,10 @@ def _reference(model_name: str) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 def _case_id(index: int) -> str:
-    return "{model}-{stages}x{replicas}-{schedule}".format(**CASES[index])
+    case = CASES[index]
+    return "{model}-{stages}x{replicas}-{schedule}".format(**case) + (
+        f"-accumulate{case['accumulate']}" if "accumulate" in case else ""
+    )
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=_case_id)
@@ -75,7 +86,7 @@ def test_pipeline_equals_single_process(runs: dict[int, dict[int, Any]], index: 
     case = CASES[index]
     world = case["stages"] * case["replicas"] // case.get("chunks", 1)
     ranks = runs[world]
-    expected, expected_losses = _reference(case["model"])
+    expected, expected_losses = _reference(case["model"], case.get("accumulate", 1))
     seen: set[str] = set()
     for rank, results in ranks.items():
         got = results[index]
@@ -89,6 +100,11 @@ def test_pipeline_equals_single_process(runs: dict[int, dict[int, Any]], index: 
     assert len(last) == case["replicas"]
     losses = [sum(step) / len(step) for step in zip(*last, strict=True)]
     assert losses == pytest.approx(expected_losses, rel=1e-5)
+    if "accumulate" in case:  # one all-reduce round per optimizer step, none while accumulating
+        for rank, results in ranks.items():
+            counts = results[index]["all_reduces"]
+            assert counts[False] == 0, f"rank {rank} all-reduced {counts[False]} times in sync=False steps"
+            assert (counts[True] > 0) == (case["replicas"] > 1), f"rank {rank}: {counts[True]} all-reduces"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""AutoPartitionStrategy on 2 and 4 gloo CPU processes, launched as users do: equal to plain one-process Lightning."""
+"""AutoPartitionStrategy on 1, 2 and 4 gloo CPU processes, launched as users do: equal to plain one-process Lightning."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Launches: (launcher, processes, cases). Each case: model, stages (replicas = processes // stages), options.
 LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
+    ("lightning", 1, [{"model": "mlp", "stages": 1}, {"model": "gpt", "stages": 1, "accumulate": 2}]),
     (
         "lightning",
         2,
@@ -33,6 +34,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "residual", "stages": 2, "via_submodule": True},
             {"model": "mlp", "stages": 2, "accumulate": 2, "validate": True},
             {"model": "gpt", "stages": 2, "clip": 0.1},
+            {"model": "mlp", "stages": 1, "accumulate": 2},
+            {"model": "mlp", "stages": 2, "extra_logs": True, "validate": True},
         ],
     ),
     ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
@@ -44,6 +47,7 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "mlp", "stages": 2},
             {"model": "gpt", "stages": 2, "schedule": "1F1B"},
             {"model": "residual", "stages": 4, "micro_batches": 4},
+            {"model": "gpt", "stages": 2, "accumulate": 2, "extra_logs": True},
         ],
     ),
 ]
@@ -76,7 +80,8 @@ def _case_id(index: int) -> str:
     launch_index, case = CASES[index]
     how, world, _ = LAUNCHES[launch_index]
     sub = "-submodule" if case.get("via_submodule") else ""
-    return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}"
+    options = "".join(f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule") if k in case)
+    return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}{options}"
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=_case_id)
