@@ -44,18 +44,23 @@ class _Stop(Exception):
         self.call = call
 
 
-def find_forward(root: nn.Module, step: Callable[[], Any]) -> ForwardCall:
+def find_forward(root: nn.Module, step: Callable[[], Any], only: str | None = None) -> ForwardCall:
     """Run ``step`` until it calls ``root`` or one of its submodules; return that call, stopping the step there.
 
-    ``root.log`` is silenced meanwhile. Raises ConfigError when the step calls no module.
+    With ``only`` (a submodule's FQN, "" for ``root``), the step is stopped at that module's first call alone,
+    which costs one hook instead of one per module. ``root.log`` is silenced meanwhile. Raises ConfigError
+    when the step calls no module.
     """
     handles = []
-    names = {id(m): n for n, m in root.named_modules()}
+    targets = (
+        dict(root.named_modules()) if only is None else {only: root.get_submodule(only) if only else root}
+    )
+    names = {id(m): n for n, m in targets.items()}
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise _Stop(ForwardCall(names[id(module)], tuple(args), dict(kwargs)))
 
-    for module in root.modules():
+    for module in targets.values():
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with _silenced_log(root):
@@ -65,6 +70,11 @@ def find_forward(root: nn.Module, step: Callable[[], Any]) -> ForwardCall:
     finally:
         for h in handles:
             h.remove()
+    if only is not None:
+        raise ConfigError(
+            f"a step of {type(root).__name__} never called {only or 'self'}, the module autopart pipelined; "
+            "every training, validation and test step must call it"
+        )
     raise ConfigError(
         f"{type(root).__name__}.training_step never calls the model (self(x) or a submodule); autopart "
         "pipelines the first module the step calls, so the step must call one"
@@ -122,7 +132,7 @@ class LogRecord:
 @contextmanager
 def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
     """Record ``module.log(...)`` calls into ``records`` instead of logging them."""
-    names = list(inspect.signature(_log_signature).parameters)[3:]
+    names = _LOG_ARGUMENTS
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         kwargs.update(zip(names, args, strict=False))
@@ -160,6 +170,10 @@ def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, log
                    add_dataloader_idx: bool = True, batch_size: Any = None, metric_attribute: Any = None,
                    rank_zero_only: bool = False) -> None:  # fmt: skip
     """Positional order of ``LightningModule.log``'s arguments."""
+
+
+#: Names of ``LightningModule.log``'s arguments after ``name`` and ``value``, in positional order.
+_LOG_ARGUMENTS = list(inspect.signature(_log_signature).parameters)[3:]
 
 
 @contextmanager

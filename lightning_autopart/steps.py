@@ -113,12 +113,7 @@ class PipelinedSteps:
         """On the first stage, the inputs the user's step gives the model (the step is stopped there)."""
         if not self.runner.is_first:
             return None
-        call = find_forward(self.module, step)
-        if call.name != self.root_name:
-            raise ConfigError(
-                f"the step called {call.name or 'self'} first, but the model was partitioned at "
-                f"{self.root_name or 'self'}; a step must call the same module every time"
-            )
+        call = find_forward(self.module, step, only=self.root_name)
         return flat_inputs(self.root(), call)
 
     def replay(self, kind: str, loss: float | None, records: list[LogRecord]) -> float:

@@ -65,7 +65,12 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
         optimizer.zero_grad()
         losses.append(total)
     named = {n: p.detach().clone() for m in runner.modules.values() for n, p in m.named_parameters()}
-    return {"params": named, "losses": losses, "replica": runner.placement.replica, "all_reduces": all_reduces}
+    return {
+        "params": named,
+        "losses": losses,
+        "replica": runner.placement.replica,
+        "all_reduces": all_reduces,
+    }
 
 
 def main() -> None:

@@ -38,7 +38,12 @@ class Lit(L.LightningModule):
     """A zoo model as a LightningModule; ``via_submodule`` calls ``self.model(...)`` in the step."""
 
     def __init__(
-        self, name: str, via_submodule: bool = False, lr: float = 0.1, fail_at: int = -1, extra_logs: bool = False
+        self,
+        name: str,
+        via_submodule: bool = False,
+        lr: float = 0.1,
+        fail_at: int = -1,
+        extra_logs: bool = False,
     ) -> None:
         super().__init__()
         self.fail_at = fail_at

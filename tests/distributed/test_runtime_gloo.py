@@ -23,24 +23,28 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(4, 1), (2, 2)]}
 MODELS = ("mlp", "residual", "gpt")
 SCHEDULES = ("GPipe", "1F1B")
-CASES = [
-    {"model": m, "stages": s, "replicas": r, "schedule": k}
-    for world in LAYOUTS
-    for s, r in LAYOUTS[world]
-    for m in MODELS
-    for k in SCHEDULES
-] + [
-    {"model": m, "stages": 4, "replicas": 1, "schedule": "Interleaved1F1B", "chunks": 2}
-    for m in ("mlp", "gpt")
-] + [  # gradient accumulation: sync=False steps, then one all-reduce per optimizer step
-    {"model": m, "stages": s, "replicas": r, "schedule": k, "accumulate": a}
-    for m, s, r, k, a in (
-        ("mlp", 1, 2, "GPipe", 3),
-        ("residual", 2, 1, "1F1B", 2),
-        ("mlp", 2, 2, "GPipe", 2),
-        ("gpt", 2, 2, "1F1B", 2),
-    )
-]
+CASES = (
+    [
+        {"model": m, "stages": s, "replicas": r, "schedule": k}
+        for world in LAYOUTS
+        for s, r in LAYOUTS[world]
+        for m in MODELS
+        for k in SCHEDULES
+    ]
+    + [
+        {"model": m, "stages": 4, "replicas": 1, "schedule": "Interleaved1F1B", "chunks": 2}
+        for m in ("mlp", "gpt")
+    ]
+    + [  # gradient accumulation: sync=False steps, then one all-reduce per optimizer step
+        {"model": m, "stages": s, "replicas": r, "schedule": k, "accumulate": a}
+        for m, s, r, k, a in (
+            ("mlp", 1, 2, "GPipe", 3),
+            ("residual", 2, 1, "1F1B", 2),
+            ("mlp", 2, 2, "GPipe", 2),
+            ("gpt", 2, 2, "1F1B", 2),
+        )
+    ]
+)
 
 
 def _launch(world: int, cases: list[dict[str, Any]], out: Path, timeout: float = 150.0) -> dict[int, Any]:

@@ -80,7 +80,9 @@ def _case_id(index: int) -> str:
     launch_index, case = CASES[index]
     how, world, _ = LAUNCHES[launch_index]
     sub = "-submodule" if case.get("via_submodule") else ""
-    options = "".join(f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule") if k in case)
+    options = "".join(
+        f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule") if k in case
+    )
     return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}{options}"
 
 

@@ -22,7 +22,7 @@ from lightning_autopart.lightning_hooks import (
     replaced_forward,
     slice_batch,
 )
-from lightning_autopart.partitioning import PlanSettings, _make_plan, choose_micro_batches
+from lightning_autopart.partitioning import PlanSettings, _make_plan, choose_micro_batches, move_in_place
 from lightning_autopart.strategy import AutoPartitionStrategy
 from tests.distributed.strategy_cases import Lit, dataset, fit
 
@@ -175,6 +175,11 @@ def test_find_forward_stops_at_the_first_module_call() -> None:
     assert module.logged == []  # logs are silenced while looking
     with pytest.raises(ConfigError, match="never calls the model"):
         find_forward(module, lambda: None)
+    # Knowing the pipelined module, one hook on it is enough; a step that skips it is refused by name.
+    assert find_forward(module, lambda: module.step(x), only="model").args[0] is x
+    assert not module.model._forward_pre_hooks
+    with pytest.raises(ConfigError, match="never called model, the module autopart pipelined"):
+        find_forward(module, lambda: module.log("no model", 0.0), only="model")
 
 
 def test_replaced_forward_and_captured_logs() -> None:
@@ -289,3 +294,10 @@ def test_optimizer_kind_sizes_the_state_the_user_configured() -> None:
     assert optimizer_kind([torch.optim.SGD(p, lr=0.1), torch.optim.Adam(p)]) == "adam"
     assert optimizer_kind([torch.optim.LBFGS(p)]) == "adam"  # unknown: counted as two states per parameter
     assert optimizer_kind([]) == "sgd"
+
+
+def test_move_in_place_to_the_same_device_changes_nothing() -> None:
+    model = nn.BatchNorm1d(3)
+    before = [(id(t), t.data_ptr()) for t in (*model.parameters(), *model.buffers())]
+    move_in_place(model, torch.device("cpu"))
+    assert [(id(t), t.data_ptr()) for t in (*model.parameters(), *model.buffers())] == before

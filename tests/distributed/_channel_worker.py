@@ -1,0 +1,63 @@
+"""A torchrun worker for the log channel: 2 stages x 2 replicas; each pipeline's last stage shares a step
+sequence whose logged names change. Rank r writes ``OUT/rank{r}.pt``: the (loss, records) it received per step.
+
+Usage: ``python -m torch.distributed.run --nproc_per_node=4 tests/distributed/_channel_worker.py OUT``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_autopart.lightning_hooks import LogRecord
+from lightning_autopart.log_channel import open_log_channel
+from tests.pipeline_plans import make_plan
+
+__all__ = ["steps"]
+
+
+def steps(replica: int) -> list[tuple[str, float | None, list[LogRecord]]]:
+    """The (kind, loss, records) a pipeline's last stage shares, step by step; values depend on the replica."""
+    r = float(replica)
+    loss = LogRecord("loss", torch.tensor(1.25 + r), {"prog_bar": True, "sync_dist": True})
+    return [
+        ("training_step", 0.5 + r, [loss]),
+        ("training_step", 0.25 + r, [LogRecord("loss", torch.tensor(2.5 + r), loss.kwargs)]),
+        ("training_step", 0.125, [loss, LogRecord("odd", 3 + replica, {}), LogRecord("f", 0.75, {})]),
+        ("validation_step", None, [LogRecord("val", torch.tensor(7.0 + r, dtype=torch.bfloat16), {})]),
+        ("training_step", 1.0 + r, [loss, LogRecord("odd", 5, {}), LogRecord("f", 1.5 + r, {})]),
+        ("validation_step", None, [LogRecord("val", torch.tensor(8.0, dtype=torch.bfloat16), {})]),
+        ("training_step", 2.0, []),
+        ("training_step", 3.0, [LogRecord("vec", torch.arange(3, dtype=torch.int64) + replica, {})]),
+    ]
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    plan = make_plan(4, 2, 2)
+    channel = open_log_channel(plan, rank)
+    replica = next(i for i, r in enumerate(plan.stages[-1].ranks) if channel.src == r)
+    got: list[Any] = []
+    for kind, loss, records in steps(replica):
+        if channel.is_src:
+            got.append(channel.share(kind, loss, records))
+        else:
+            got.append(channel.share(kind, None, []))
+    channel.wait()
+    torch.save({"replica": replica, "got": got}, out / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The log channel on 4 gloo ranks (2 stages x 2 replicas): every rank of a pipeline logs what its last stage did."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_autopart.lightning_hooks import LogRecord
+from lightning_autopart.log_channel import LogChannel
+from tests.distributed._channel_worker import steps
+from tests.distributed.launch import run_job
+
+pytestmark = pytest.mark.distributed
+
+
+def test_every_pipeline_rank_receives_its_last_stage_logs(tmp_path: Path) -> None:
+    code, log = run_job(
+        [str(Path(__file__).with_name("_channel_worker.py")), str(tmp_path)], 4, "torchrun", 90
+    )
+    assert code == 0, log[-4000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert sorted(r["replica"] for r in results) == [0, 0, 1, 1]
+    for rank, result in enumerate(results):
+        expected = steps(result["replica"])
+        assert len(result["got"]) == len(expected)
+        for (kind, loss, records), (got_loss, got_records) in zip(expected, result["got"], strict=True):
+            assert math.isnan(got_loss) if loss is None else got_loss == loss, f"rank {rank} {kind}"
+            assert [(r.name, r.kwargs) for r in got_records] == [(r.name, r.kwargs) for r in records]
+            for want, got in zip(records, got_records, strict=True):
+                assert type(got.value) is type(want.value), f"rank {rank}: {want.name}"
+                if isinstance(want.value, torch.Tensor):
+                    assert got.value.dtype == want.value.dtype and torch.equal(got.value, want.value)
+                else:
+                    assert got.value == want.value
+
+
+def test_a_pipeline_of_one_stage_needs_no_messages() -> None:
+    channel = LogChannel(None, 0, 0)
+    records = [LogRecord("a", 1.0, {})]
+    assert channel.share("training_step", 0.5, records) == (0.5, records)
+    loss, same = channel.share("training_step", None, records)
+    assert math.isnan(loss) and same is records
