@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec, device_spec_names
@@ -47,14 +48,34 @@ def profile_model(
     max_blocks: int = 64,
     progress: Progress | None = None,
 ) -> ModelProfile:
-    """Capture ``model`` on ``example_inputs`` and profile its blocks (``profile`` is "estimate" or "measure")."""
+    """Capture ``model`` on ``example_inputs`` and profile its blocks (``profile`` is "estimate" or "measure").
+
+    "measure" times the blocks again on an eighth of the batch and fits each block's batch-independent
+    time through both (see [Note: two batch sizes]); a model whose blocks change with the batch size
+    keeps the kernel-count estimate of that part.
+    """
     from lightning_autopart.capture import capture
+    from lightning_autopart.errors import AutopartError
     from lightning_autopart.profile import profile as profile_blocks
+    from lightning_autopart.profile.scaling import fit_fixed_costs, small_batch
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
     captured = capture(model, example_inputs, max_blocks=max_blocks)
-    return profile_blocks(captured, mode=profile, spec=spec, optimizer=optimizer, progress=progress)
+    result = profile_blocks(captured, mode=profile, spec=spec, optimizer=optimizer, progress=progress)
+    small = small_batch(captured.batch_size)
+    if profile != "measure" or not small:
+        return result
+    b0 = captured.batch_size
+
+    def cut(x: Any) -> Any:
+        return x[:small] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b0 else x
+
+    try:
+        fewer = capture(model, tree_map(cut, example_inputs), max_blocks=max_blocks)
+        return fit_fixed_costs(result, profile_blocks(fewer, mode=profile, spec=spec, optimizer=optimizer))
+    except AutopartError:
+        return result
 
 
 def plan_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,10 +13,10 @@ from lightning_autopart.errors import ConfigError, ProfileError
 from lightning_autopart.graph import CapturedModel
 from lightning_autopart.profile.calibrate import calibrate_cpu
 from lightning_autopart.profile.estimate import estimate_block
-from lightning_autopart.profile.measure import measure_block
+from lightning_autopart.profile.measure import BlockFailed, measure_blocks
 from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
-from lightning_autopart.profile.precision import parse_precision, scaled_nbytes
+from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
 from lightning_autopart.profile.runner import BlockCost
 from lightning_autopart.records import BlockProfile, ModelProfile, optimizer_state_factor
 
@@ -173,13 +174,14 @@ def profile(
     per_block: list[dict[str, Any]] = []
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(0)
+        measured: dict[int, BlockCost] = {}
         for done, index in enumerate(indices, start=1):
             block = captured.blocks[index]
+            if mode == "measure" and index not in measured:
+                window = _window(indices[done - 1 :], memory, dev)
+                measured.update(_measure(captured, window, dev, precision, chosen.launch_us, warmup, repeats))
             try:
-                if mode == "measure":
-                    cost = measure_block(block, dev, precision, chosen.launch_us, warmup, repeats)
-                else:
-                    cost = estimate_block(block, precision, roofline)
+                cost = measured[index] if mode == "measure" else estimate_block(block, precision, roofline)
             except Exception as err:
                 raise ProfileError(
                     f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
@@ -214,6 +216,52 @@ def profile(
         capture=captured.method,
         meta=meta,
     )
+
+
+#: Most blocks timed together in stage order, and their share of free device memory (see [Note: blocks in order]).
+WINDOW_BLOCKS, WINDOW_MEMORY_SHARE = 8, 0.25
+
+
+def _window(indices: Sequence[int], memory: Sequence[BlockMemory], device: torch.device) -> list[int]:
+    """The next blocks to time together: consecutive, at most WINDOW_BLOCKS, their state within budget."""
+    if device.type == "cuda":
+        budget = WINDOW_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]
+    else:
+        budget = 2.0 * (1 << 30)
+    window = [indices[0]]
+    used = _state_bytes(memory[indices[0]])
+    for prev, index in itertools.pairwise(indices):
+        used += _state_bytes(memory[index])
+        if index != prev + 1 or len(window) == WINDOW_BLOCKS or used > budget:
+            break
+        window.append(index)
+    return window
+
+
+def _state_bytes(m: BlockMemory) -> int:
+    return m.param_bytes + m.grad_bytes + m.buffer_bytes
+
+
+def _measure(
+    captured: CapturedModel,
+    window: list[int],
+    device: torch.device,
+    precision: Precision,
+    launch_us: float,
+    warmup: int,
+    repeats: int,
+) -> dict[int, BlockCost]:
+    blocks = [captured.blocks[i] for i in window]
+    try:
+        costs = measure_blocks(blocks, device, precision, launch_us, warmup, repeats)
+    except BlockFailed as failed:
+        index = window[failed.position]
+        err = failed.error
+        raise ProfileError(
+            f"profiling block {index} ({blocks[failed.position].name!r}) in measure mode failed: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    return dict(zip(window, costs, strict=True))
 
 
 def _record(
