@@ -25,6 +25,7 @@ __all__ = [
     "build_local_stages",
     "choose_micro_batches",
     "gather_state_dict",
+    "keep_local",
     "move_in_place",
     "optimizer_kind",
     "plan_for_batch",
@@ -147,6 +148,42 @@ def build_local_stages(
     elsewhere = {id(captured.module.get_parameter(fqn)) for fqn, stages in tied if min(stages) not in mine}
     in_blocks = {id(root.get_parameter(fqn)) for block in captured.blocks for fqn in block.params}
     return modules, tied, elsewhere, in_blocks
+
+
+def keep_local(
+    module: nn.Module,
+    root_name: str,
+    stages: dict[int, nn.Module],
+    in_blocks: set[int],
+    optimizers: Iterable[Any],
+    device: torch.device,
+) -> list[nn.Parameter]:
+    """Keep only this rank's ``stages``: optimizers over their parameters, the others' weights freed, the rest
+    moved to ``device``; returns the local parameters.
+
+    ``in_blocks`` holds the ids of every parameter the pipelined module (``root_name``) uses; an optimized
+    parameter outside it would never get a gradient, so it is refused. Freed weights come back, gathered,
+    when a checkpoint is saved.
+    """
+    optimizers = list(optimizers)
+    optimized = {id(q) for o in optimizers for g in o.param_groups for q in g["params"]}
+    outside = [n for n, p in module.named_parameters() if id(p) not in in_blocks and id(p) in optimized]
+    if outside:
+        raise ConfigError(
+            f"parameters {', '.join(outside[:5])} are optimized but not used by the pipelined model "
+            f"({root_name or type(module).__name__}.forward); autopart trains only what the forward uses: "
+            "move them into the model's forward, or leave them out of configure_optimizers"
+        )
+    params = list(dict.fromkeys(p for m in stages.values() for p in m.parameters()))
+    local = {id(p) for p in params}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in local]
+    for p in module.parameters():
+        if id(p) in in_blocks and id(p) not in local:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    move_in_place(module, device)
+    return params
 
 
 def move_in_place(module: nn.Module, device: torch.device) -> None:

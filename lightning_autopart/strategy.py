@@ -37,7 +37,7 @@ from lightning_autopart.partitioning import (
     PlanSettings,
     build_local_stages,
     gather_state_dict,
-    move_in_place,
+    keep_local,
     optimizer_kind,
     plan_for_batch,
 )
@@ -270,30 +270,8 @@ class AutoPartitionStrategy(ParallelStrategy):
         modules, tied, counted_elsewhere, in_blocks = build_local_stages(
             plan, root, call, size, self.global_rank
         )
-        outside = [
-            name
-            for name, p in lm.named_parameters()
-            if id(p) not in in_blocks
-            and any(p is q for o in self.optimizers for g in o.param_groups for q in g["params"])
-        ]
-        if outside:
-            raise ConfigError(
-                f"parameters {', '.join(outside[:5])} are optimized but not used by the pipelined model "
-                f"({call.name or type(lm).__name__}.forward); autopart trains only what the forward uses: "
-                "move them into the model's forward, or leave them out of configure_optimizers"
-            )
         self._counted_elsewhere = counted_elsewhere
-        self._params = list(dict.fromkeys(p for m in modules.values() for p in m.parameters()))
-        local = {id(p) for p in self._params}
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [p for p in group["params"] if id(p) in local]
-        # Free the other stages' weights (the whole model is gathered again to save a checkpoint), then move
-        # what is left, keeping every tensor's identity (stage modules and the module share them).
-        for p in root.parameters():
-            if id(p) in in_blocks and id(p) not in local:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        move_in_place(lm, self.root_device)
+        self._params = keep_local(lm, call.name, modules, in_blocks, self.optimizers, self.root_device)
         groups = build_groups(plan, tied)
         channel = open_log_channel(plan, self.global_rank)
         runner = PipelineRunner(

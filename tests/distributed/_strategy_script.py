@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_autopart.runtime import PipelineRunner
 from lightning_autopart.strategy import AutoPartitionStrategy
 from tests.distributed.strategy_cases import fit
 
@@ -31,7 +32,18 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         schedule=case.get("schedule", "GPipe"),
         profile="estimate",
     )
-    model, losses, metrics = fit(case, strategy, devices, devices // case["stages"])
+    syncs: list[bool] = []  # the sync flag of every pipeline step: one all-reduce per optimizer step
+    step = PipelineRunner.step
+
+    def spied(self: PipelineRunner, *args: Any, sync: bool = True, **kwargs: Any) -> Any:
+        syncs.append(sync)
+        return step(self, *args, sync=sync, **kwargs)
+
+    PipelineRunner.step = spied  # type: ignore[method-assign]
+    try:
+        model, losses, metrics = fit(case, strategy, devices, devices // case["stages"])
+    finally:
+        PipelineRunner.step = step  # type: ignore[method-assign]
     local = {id(p) for p in strategy._params}
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
     return {
@@ -39,6 +51,7 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         "losses": losses,
         "metrics": metrics,
         "plan_stages": strategy.plan.num_stages if strategy.plan else 0,
+        "syncs": syncs,
     }
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import run_job
-from tests.distributed.strategy_cases import fit
+from tests.distributed.strategy_cases import STEPS, fit
 
 pytestmark = pytest.mark.distributed
 
@@ -100,6 +100,8 @@ def test_strategy_equals_single_process(runs: list[dict[Any, Any]], index: int, 
             continue
         got = results[position]
         assert got["plan_stages"] == case["stages"]
+        accumulate = case.get("accumulate", 1)  # the gradients are all-reduced once per optimizer step
+        assert got["syncs"] == [i % accumulate == accumulate - 1 for i in range(STEPS * accumulate)]
         assert got["losses"] == pytest.approx(expected_losses, rel=1e-5), f"rank {rank}: loss curve differs"
         assert got["metrics"] == pytest.approx(expected_metrics, rel=1e-5), f"rank {rank}: metrics differ"
         for name, value in got["params"].items():
