@@ -5,7 +5,8 @@ sides train the MLP of ``bench/strategy_vs_ddp.py`` on 2 CPU processes (gloo, 1 
 batch, 4 micro-batches, 1F1B and SGD. autopart runs under Lightning (``python ... --worker autopart``, ``devices=2``,
 ``num_stages=2``) and saves its plan; the manual side (``torchrun --nproc_per_node=2 ... --worker manual``) cuts
 the same model where that plan cut it, wraps each half in a ``PipelineStage`` and loops
-``Schedule1F1B.step`` + ``SGD.step``. Runs alternate; the driver prints every round, the medians, the ratio
+``Schedule1F1B.step`` + ``SGD.step``, reading batches through the same ``DataLoader`` as the Lightning side
+(``--sliced-data``: slices of the whole tensors instead). Runs alternate; the driver prints every round, the medians, the ratio
 autopart / manual and the measured step time of autopart against the plan's predicted step time. Measured
 profiles vary from run to run, so only the first autopart run plans (``profile="measure"``) and saves the plan;
 later autopart runs load it (``load_plan``): every run has the same cut.
@@ -19,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -78,7 +81,18 @@ def _autopart(warmup: int, steps: int, plan_path: str, load: bool) -> None:
     os._exit(0)
 
 
-def _manual(warmup: int, steps: int, cut: int) -> None:
+def batches(batch: int, count: int, sliced: bool) -> Iterator[list[torch.Tensor]]:
+    """``count`` batches of the benchmark's data: through the same ``DataLoader`` as the Lightning side, or
+    (``sliced``) as slices of the whole tensors, which skips the per-sample loading a real script pays."""
+    data = dataset(batch * count)
+    if sliced:
+        for i in range(count):
+            yield [t[i * batch : (i + 1) * batch] for t in data.tensors]
+    else:
+        yield from DataLoader(data, batch_size=batch, drop_last=True)
+
+
+def _manual(warmup: int, steps: int, cut: int, sliced: bool) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.set_num_threads(1)
@@ -92,12 +106,10 @@ def _manual(warmup: int, steps: int, cut: int) -> None:
     schedule = Schedule1F1B(stage, MICRO_BATCHES, loss_fn=F.mse_loss)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     batch = common.BATCH
-    data = dataset(batch * (warmup + steps)).tensors
     start = 0.0
-    for i in range(warmup + steps):
+    for i, (x, y) in enumerate(batches(batch, warmup + steps, sliced)):
         if i == warmup:
             start = time.perf_counter()
-        x, y = (t[i * batch : (i + 1) * batch] for t in data)
         optimizer.zero_grad()
         if rank == 0:
             schedule.step(x)
@@ -114,7 +126,7 @@ def _manual(warmup: int, steps: int, cut: int) -> None:
     os._exit(0)
 
 
-def _runner(warmup: int, steps: int, plan_path: str) -> None:
+def _runner(warmup: int, steps: int, plan_path: str, sliced: bool) -> None:
     """autopart's runtime without Lightning: ``PipelineRunner`` on the saved plan, in the manual script's loop."""
     from lightning_autopart.capture import capture
     from lightning_autopart.plan import Plan
@@ -130,19 +142,17 @@ def _runner(warmup: int, steps: int, plan_path: str) -> None:
     runner = PipelineRunner(plan, captured, rank, "cpu", F.mse_loss)
     params = [p for m in runner.modules.values() for p in m.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.01)
-    batch = plan.batch_size
-    data = dataset(batch * (warmup + steps)).tensors
     start = 0.0
-    for i in range(warmup + steps):
+    for i, (x, y) in enumerate(batches(plan.batch_size, warmup + steps, sliced)):
         if i == warmup:
             start = time.perf_counter()
-        x, y = (t[i * batch : (i + 1) * batch] for t in data)
         optimizer.zero_grad()
         runner.step(x if runner.is_first else None, y if runner.is_last else None)
         optimizer.step()
     elapsed = time.perf_counter() - start
     if rank == 0:
-        print("RESULT " + json.dumps({"samples_per_s": steps * batch / elapsed, "step_s": elapsed / steps}))
+        samples = steps * plan.batch_size
+        print("RESULT " + json.dumps({"samples_per_s": samples / elapsed, "step_s": elapsed / steps}))
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
@@ -164,15 +174,21 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="autopart: run the plan at --plan")
     parser.add_argument("--cut", type=int, default=0)
     parser.add_argument("--batch", type=int, default=common.BATCH, help="samples per step (one pipeline)")
+    parser.add_argument(
+        "--sliced-data",
+        action="store_true",
+        help="manual and runner sides slice whole tensors instead of using the Lightning side's DataLoader",
+    )
     args = parser.parse_args()
     common.BATCH = args.batch
     if args.worker == "autopart":
         _autopart(args.warmup, args.steps, args.plan, args.load)
     if args.worker == "manual":
-        _manual(args.warmup, args.steps, args.cut)
+        _manual(args.warmup, args.steps, args.cut, args.sliced_data)
     if args.worker == "runner":
-        _runner(args.warmup, args.steps, args.plan)
+        _runner(args.warmup, args.steps, args.plan, args.sliced_data)
     timing = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+    timing += ["--sliced-data"] if args.sliced_data else []
     results: dict[str, list[dict[str, Any]]] = {"manual": [], "autopart": [], "runner": []}
     cut = 0
     for r in range(args.rounds):
@@ -206,7 +222,9 @@ def main() -> None:
             results[kind].append(result)
             print(f"round {r + 1} {kind}: {result['samples_per_s']:.1f} samples/s", file=sys.stderr)
     first = results["autopart"][0]
+    loading = "sliced tensors" if args.sliced_data else "the same DataLoader"
     print(
+        f"manual/runner data: {loading}; "
         f"MLP {LAYERS + 1} x Linear({HIDDEN}), batch {args.batch}, {MICRO_BATCHES} micro-batches, {first['schedule']}, "
         f"2 stages (cut after leaf module {cut}: {first['cut'][0][-1]} | {first['cut'][1][0]}), 2 processes x "
         f"1 thread, gloo, {args.steps} timed steps after {args.warmup} warm-up, {args.rounds} interleaved rounds\n"

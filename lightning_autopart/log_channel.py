@@ -61,19 +61,31 @@ class LogChannel:
         self.is_src = rank == src
         self._layouts: dict[str, list[_Slot]] = {}
         self._inflight: tuple[Any, torch.Tensor] | None = None
+        self._posted: tuple[str, Any, torch.Tensor] | None = None
+
+    def expect(self, kind: str) -> None:
+        """On a receiver, post the receive of the next ``kind`` step's message now, before the step's schedule
+        runs, so its latency hides behind the schedule; ``share`` then only waits. Senders ignore it."""
+        if self.group is None or self.is_src or self._posted is not None:
+            return
+        message = torch.empty(2 + sum(s.numel for s in self._layouts.get(kind, [])), dtype=torch.float64)
+        self._posted = (kind, dist.broadcast(message, self.src, group=self.group, async_op=True), message)
 
     def share(self, kind: str, loss: float | None, records: list[LogRecord]) -> tuple[float, list[LogRecord]]:
         """The sender's ``(loss, records)`` on every member (``kind`` names the step, e.g. "training_step")."""
         if self.group is None:
             return (math.nan if loss is None else loss), records
-        layout = self._layouts.get(kind, [])
-        width = 2 + sum(s.numel for s in layout)
         if self.is_src:
+            layout = self._layouts.get(kind, [])
+            width = 2 + sum(s.numel for s in layout)
             return self._send(kind, layout, width, loss, records)
-        message = torch.empty(width, dtype=torch.float64)
-        dist.broadcast(message, self.src, group=self.group)
+        self.expect(kind)
+        assert self._posted is not None and self._posted[0] == kind, "expect() was called for another step kind"
+        _, work, message = self._posted
+        self._posted = None
+        work.wait()
         if message[0].item() == 1.0:
-            return float(message[1]), _unpack(layout, message[2:])
+            return float(message[1]), _unpack(self._layouts.get(kind, []), message[2:])
         box: list[Any] = [None]
         dist.broadcast_object_list(box, self.src, group=self.group)
         self._layouts[kind] = _slots(box[0])

@@ -55,6 +55,7 @@ class PipelinedSteps:
     def train(self, batch: Any, batch_idx: int, accumulate: int, sync: bool) -> Tensor:
         """One training step; gradients add to ``.grad`` (all-reduced if ``sync``); returns the batch's loss."""
         size = self.check_batch(batch)
+        self.channel.expect("training_step")
         # Logs by micro-batch start: pipelining may run the loss twice on its first step (shape inference).
         by_micro: dict[int, list[LogRecord]] = {}
         module = self.module
@@ -87,6 +88,7 @@ class PipelinedSteps:
         """Forward-only pipeline; the user's ``hook`` runs on the last stage, its logs are replayed on all."""
         step = getattr(self.module, hook)
         self.check_batch(args[0] if args else kwargs["batch"])
+        self.channel.expect(hook)
         inputs = self.inputs(lambda: step(*args, **kwargs))
         output = self.runner.eval_step(inputs)
         records: list[LogRecord] = []
