@@ -53,7 +53,16 @@ class Case:
 
 
 CASES = (
-    Case("GPT-xl (vocab 50257, tied head)", lambda: GPT.from_preset("xl"), "a100-40gb", 8, 2, 512, "adam", (4, 8)),
+    Case(
+        "GPT-xl (vocab 50257, tied head)",
+        lambda: GPT.from_preset("xl"),
+        "a100-40gb",
+        8,
+        2,
+        512,
+        "adam",
+        (4, 8),
+    ),
     Case("ResNet-152x8 (3.7B)", lambda: ResNet(152, 8), "v100-32gb", 8, 4, 1024, "sgd_momentum", (4, 8)),
     Case("Uneven MLP", lambda: UnevenMLP(), "v100-32gb", 8, 1, 1024, "adam", (3, 4, 8)),
 )
@@ -91,8 +100,14 @@ def main() -> None:
             for rule in HEURISTICS.values():
                 v = plan.num_stages
                 ev = evaluate(
-                    prof, cluster, case.batch_size, rule(prof, v), plan.replicas, plan.micro_batches,
-                    plan.schedule, plan.layout,
+                    prof,
+                    cluster,
+                    case.batch_size,
+                    rule(prof, v),
+                    plan.replicas,
+                    plan.micro_batches,
+                    plan.schedule,
+                    plan.layout,
                 )
                 if ev is None or not ev.fits:
                     cells.append("does not fit")
@@ -102,7 +117,11 @@ def main() -> None:
             label = f"{depth} x {plan.replicas}, M={plan.micro_batches}, {plan.schedule}"
             label += "" if forced is None else " (S forced)"
             where = f"{case.nodes}x{case.devices} {case.spec}, batch {case.batch_size}, {case.optimizer}"
-            print(f"| {case.name} | {where} | {label} | {_ms(plan.prediction.step_us)} | " + " | ".join(cells) + " |")
+            print(
+                f"| {case.name} | {where} | {label} | {_ms(plan.prediction.step_us)} | "
+                + " | ".join(cells)
+                + " |"
+            )
         print(f"<!-- {case.name}: capture+profile+plans in {time.perf_counter() - t0:.1f} s -->")
 
 

@@ -155,8 +155,14 @@ def median_table(results: dict[str, list[dict[str, Any]]], baseline: str, candid
         values = [r["samples_per_s"] for r in results[name]]
         medians[name] = statistics.median(values)
         rows.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {medians[name]:.1f} |")
+    pairs = [
+        c["samples_per_s"] / b["samples_per_s"]
+        for b, c in zip(results[baseline], results[candidate], strict=True)
+    ]
     rows.append(
-        f"\nratio {candidate} / {baseline} (medians): **{medians[candidate] / medians[baseline]:.3f}**"
+        f"\nratio {candidate} / {baseline} (medians): **{medians[candidate] / medians[baseline]:.3f}**; "
+        f"median of the per-round ratios (each round's runs back to back): **{statistics.median(pairs):.3f}** "
+        f"(range {min(pairs):.2f}-{max(pairs):.2f})"
     )
     return "\n".join(rows)
 

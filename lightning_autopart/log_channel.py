@@ -80,7 +80,9 @@ class LogChannel:
             width = 2 + sum(s.numel for s in layout)
             return self._send(kind, layout, width, loss, records)
         self.expect(kind)
-        assert self._posted is not None and self._posted[0] == kind, "expect() was called for another step kind"
+        assert self._posted is not None and self._posted[0] == kind, (
+            "expect() was called for another step kind"
+        )
         _, work, message = self._posted
         self._posted = None
         work.wait()

@@ -97,7 +97,7 @@ class PipelineRunner:
         if tied is None:
             tied = tied_groups(plan, captured) if captured is not None else []
         if groups is None:
-            groups = build_groups(plan, tied)
+            groups = build_groups(plan, tied, self.device.type)
         #: This rank's stage modules by stage index.
         self.modules: dict[int, nn.Module] = {}
         for s in self.placement.stages:

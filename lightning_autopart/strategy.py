@@ -272,7 +272,7 @@ class AutoPartitionStrategy(ParallelStrategy):
         )
         self._counted_elsewhere = counted_elsewhere
         self._params = keep_local(lm, call.name, modules, in_blocks, self.optimizers, self.root_device)
-        groups = build_groups(plan, tied)
+        groups = build_groups(plan, tied, self.root_device.type)
         channel = open_log_channel(plan, self.global_rank)
         runner = PipelineRunner(
             plan, modules, self.global_rank, self.root_device, self._call_loss, tied=tied, groups=groups

@@ -1,5 +1,9 @@
 """Where a rank sits in a plan: its stages, its pipeline group and its data-parallel group.
 
+The pipeline and data-parallel groups come from a two-dimensional ``DeviceMesh`` ("dp" x "pp") built from the
+plan, as torchtitan composes them; groups the mesh cannot express (the ranks holding a tied weight) are
+created beside it.
+
 Replica ``r`` of the pipeline is the ``r``-th rank of every stage (``StagePlan.ranks[r]``). A pipeline group
 holds one rank per stage position of one replica, in stage order; a data-parallel group holds the replicas of
 one stage. With interleaving, stage ``s`` lives on pipeline position ``s % pp_size`` (torch's "loop" layout).
@@ -10,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
@@ -18,6 +24,7 @@ from lightning_autopart.plan import Plan
 __all__ = [
     "Placement",
     "build_groups",
+    "build_mesh",
     "data_parallel_ranks",
     "group_ranks",
     "pipeline_ranks",
@@ -128,17 +135,33 @@ def group_ranks(plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = ()) -> l
     return list(dict.fromkeys(tuple(sorted(g)) for g in candidates))
 
 
+def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """The plan's ranks as a ("dp", "pp") DeviceMesh: row ``r`` is replica ``r``'s pipeline, column ``p`` the
+    replicas of pipeline position ``p``. Collective: every rank of the default group must call it."""
+    rows = [list(pipeline_ranks(plan, r)) for r in range(plan.replicas)]
+    return DeviceMesh(device_type, torch.tensor(rows, dtype=torch.int64), mesh_dim_names=("dp", "pp"))
+
+
 def build_groups(
-    plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = ()
+    plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = (), device_type: str = "cpu"
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """Create every group of :func:`group_ranks` with ``dist.new_group``; return those this rank is in.
+    """This rank's groups of :func:`group_ranks`, by sorted ranks: its pipeline and data-parallel groups from
+    :func:`build_mesh`, the tied-weight groups from ``dist.new_group``.
 
     Must be called on every rank of the default process group, with the same arguments, at the same point:
-    each rank calls ``new_group`` for every group, in the same order, even for groups it is not in.
+    each rank creates every group, in the same order, even groups it is not in.
     """
     me = dist.get_rank()
+    mesh = build_mesh(plan, device_type)
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for dim in ("pp", "dp"):
+        group = mesh.get_group(dim)
+        groups[tuple(sorted(dist.get_process_group_ranks(group)))] = group
+    in_mesh = {tuple(sorted(pipeline_ranks(plan, r))) for r in range(plan.replicas)}
+    in_mesh |= {data_parallel_ranks(plan, s.index) for s in plan.stages}
     for ranks in group_ranks(plan, tied):
+        if ranks in in_mesh:
+            continue
         group = dist.new_group(list(ranks))
         if me in ranks and group is not None:
             groups[ranks] = group

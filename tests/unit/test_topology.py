@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from lightning_autopart import topology
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.topology import (
     build_groups,
@@ -72,11 +74,27 @@ def test_group_ranks_are_unique_and_ordered() -> None:
     assert group_ranks(make_plan(8, 1, 1)) == [(0,)]
 
 
-def test_build_groups_calls_new_group_for_every_group_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = make_plan(8, 2, 2)
+def test_build_groups_takes_pipelines_and_replicas_from_a_mesh_and_ties_from_new_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = make_plan(8, 2, 2)  # pipelines (0, 1) and (2, 3); replicas of the stages (0, 2) and (1, 3)
+    meshes: list[tuple[str, list[list[int]], tuple[str, ...]]] = []
+
+    class FakeMesh:
+        def __init__(self, device_type: str, mesh: torch.Tensor, mesh_dim_names: tuple[str, ...]) -> None:
+            meshes.append((device_type, mesh.tolist(), mesh_dim_names))
+
+        def get_group(self, dim: str) -> str:
+            return {"pp": "pp-group", "dp": "dp-group"}[dim]
+
     calls: list[list[int]] = []
+    monkeypatch.setattr(topology, "DeviceMesh", FakeMesh)
     monkeypatch.setattr(dist, "get_rank", lambda: 2)
+    monkeypatch.setattr(
+        dist, "get_process_group_ranks", lambda g: {"pp-group": [2, 3], "dp-group": [0, 2]}[g]
+    )
     monkeypatch.setattr(dist, "new_group", lambda ranks: calls.append(ranks) or tuple(ranks))
-    groups = build_groups(plan)
-    assert calls == [[0, 1], [2, 3], [0, 2], [1, 3]]
-    assert set(groups) == {(2, 3), (0, 2)}
+    groups = build_groups(plan, [("head.weight", (0, 1))])
+    assert meshes == [("cpu", [[0, 1], [2, 3]], ("dp", "pp"))]
+    assert calls == [[0, 1, 2, 3]]  # only the tie is not a row or a column of the mesh
+    assert groups == {(2, 3): "pp-group", (0, 2): "dp-group", (0, 1, 2, 3): (0, 1, 2, 3)}
