@@ -40,8 +40,9 @@ HIDDEN, LAYERS, BATCH = 512, 8, 64
 class MLP(nn.Module):
     """``layers`` blocks of Linear + ReLU of width ``hidden``, then a linear head."""
 
-    def __init__(self, hidden: int = HIDDEN, layers: int = LAYERS) -> None:
+    def __init__(self, hidden: int | None = None, layers: int = LAYERS) -> None:
         super().__init__()
+        hidden = hidden or HIDDEN  # read at call time: bench/strategy_vs_pipelining.py --hidden sets it
         self.layers = nn.ModuleList(
             nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(layers)
         )

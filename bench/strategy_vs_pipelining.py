@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import strategy_vs_ddp as common
-from strategy_vs_ddp import HIDDEN, LAYERS, MLP, dataset, launch, median_table, train
+from strategy_vs_ddp import LAYERS, MLP, dataset, launch, median_table, train
 
 __all__: list[str] = []
 
@@ -138,7 +138,7 @@ def _runner(warmup: int, steps: int, plan_path: str, sliced: bool) -> None:
     plan = Plan.load(plan_path)
     torch.manual_seed(0)
     model = MLP()
-    captured = capture(model, ((torch.randn(plan.micro_batch_size, HIDDEN),), {}), max_blocks=64)
+    captured = capture(model, ((torch.randn(plan.micro_batch_size, common.HIDDEN),), {}), max_blocks=64)
     runner = PipelineRunner(plan, captured, rank, "cpu", F.mse_loss)
     params = [p for m in runner.modules.values() for p in m.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.01)
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="autopart: run the plan at --plan")
     parser.add_argument("--cut", type=int, default=0)
     parser.add_argument("--batch", type=int, default=common.BATCH, help="samples per step (one pipeline)")
+    parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="width of the MLP's layers")
     parser.add_argument(
         "--sliced-data",
         action="store_true",
@@ -181,6 +182,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     common.BATCH = args.batch
+    common.HIDDEN = args.hidden
     if args.worker == "autopart":
         _autopart(args.warmup, args.steps, args.plan, args.load)
     if args.worker == "manual":
@@ -189,6 +191,7 @@ def main() -> None:
         _runner(args.warmup, args.steps, args.plan, args.sliced_data)
     timing = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     timing += ["--sliced-data"] if args.sliced_data else []
+    timing += ["--hidden", str(args.hidden)]
     results: dict[str, list[dict[str, Any]]] = {"manual": [], "autopart": [], "runner": []}
     cut = 0
     for r in range(args.rounds):
@@ -225,7 +228,7 @@ def main() -> None:
     loading = "sliced tensors" if args.sliced_data else "the same DataLoader"
     print(
         f"manual/runner data: {loading}; "
-        f"MLP {LAYERS + 1} x Linear({HIDDEN}), batch {args.batch}, {MICRO_BATCHES} micro-batches, {first['schedule']}, "
+        f"MLP {LAYERS + 1} x Linear({common.HIDDEN}), batch {args.batch}, {MICRO_BATCHES} micro-batches, {first['schedule']}, "
         f"2 stages (cut after leaf module {cut}: {first['cut'][0][-1]} | {first['cut'][1][0]}), 2 processes x "
         f"1 thread, gloo, {args.steps} timed steps after {args.warmup} warm-up, {args.rounds} interleaved rounds\n"
     )
