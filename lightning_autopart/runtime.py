@@ -16,9 +16,9 @@ backward: parameters are grouped into buckets of about ``BUCKET_BYTES`` in rever
 the order backward finishes them), and a post-accumulate-grad hook counts each parameter's accumulations; when
 every parameter of a bucket has received its last micro-batch's gradient, the bucket is flattened and
 all-reduced asynchronously. After the schedule (which divides gradients by the micro-batches), the summed
-buckets are copied back divided by ``replicas x micro_batches``; this equals averaging the scaled gradients,
-also when ``.grad`` held an earlier step's (already averaged, so equal) gradient. Stages are captured graphs,
-so every replica finishes its buckets in the same order; a bucket that never became ready (a parameter that
+buckets are copied back divided by ``replicas x micro_batches``, which equals averaging the scaled gradients
+(the buckets only ever see this step's gradients; see [Note: accumulation] for earlier ones). Stages are
+captured graphs, so every replica finishes its buckets in the same order; a bucket that never became ready (a parameter that
 got no gradient) is reduced after the schedule, on every replica alike.
 
 [Note: accumulation] ``step`` adds to ``.grad`` as ``loss.backward()`` does, and like DDP's ``no_sync`` a
