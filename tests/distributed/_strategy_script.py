@@ -46,12 +46,14 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         PipelineRunner.step = step  # type: ignore[method-assign]
     local = {id(p) for p in strategy._params}
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
+    held = {n: p.numel() for n, p in model.named_parameters() if id(p) not in local}
     return {
         "params": params,
         "losses": losses,
         "metrics": metrics,
         "plan_stages": strategy.plan.num_stages if strategy.plan else 0,
         "syncs": syncs,
+        "held_elsewhere": held,
     }
 
 

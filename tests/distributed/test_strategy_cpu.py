@@ -100,6 +100,9 @@ def test_strategy_equals_single_process(runs: list[dict[Any, Any]], index: int, 
             continue
         got = results[position]
         assert got["plan_stages"] == case["stages"]
+        # A rank keeps only its own stage's weights: every other parameter was freed.
+        assert all(n == 0 for n in got["held_elsewhere"].values()), f"rank {rank}: {got['held_elsewhere']}"
+        assert set(got["params"]) | set(got["held_elsewhere"]) == set(expected)
         accumulate = case.get("accumulate", 1)  # the gradients are all-reduced once per optimizer step
         assert got["syncs"] == [i % accumulate == accumulate - 1 for i in range(STEPS * accumulate)]
         assert got["losses"] == pytest.approx(expected_losses, rel=1e-5), f"rank {rank}: loss curve differs"
