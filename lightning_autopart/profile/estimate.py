@@ -75,18 +75,7 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
     runner = Runner(block, _META, compute)
     runner.context = FusedAttention
     counter = OpCounter(roofline)
-    activation_bytes, saved_inputs, saved_outputs = runner.counted_run(counter)
+    saved = runner.counted_run(counter)
     fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
-    return BlockCost(
-        fwd_us=fwd.time_us,
-        bwd_us=bwd.time_us,
-        fwd_fixed_us=fwd.kernels * roofline.launch_us,
-        bwd_fixed_us=bwd.kernels * roofline.launch_us,
-        activation_bytes=activation_bytes,
-        saved_input_bytes=saved_inputs,
-        saved_output_bytes=saved_outputs,
-        fwd_flops=fwd.flops,
-        bwd_flops=bwd.flops,
-        fwd_kernels=fwd.kernels,
-        bwd_kernels=bwd.kernels,
-    )
+    fixed = (fwd.kernels * roofline.launch_us, bwd.kernels * roofline.launch_us)
+    return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed)

@@ -88,22 +88,8 @@ def measure_blocks(
         fwd_us = statistics.median(fwd_times[i])
         bwd_us = statistics.median(bwd_times[i])
         fwd, bwd = counters[i].counts["fwd"], counters[i].counts["bwd"]
-        activation_bytes, saved_inputs, saved_outputs = saved[i]
-        costs.append(
-            BlockCost(
-                fwd_us=fwd_us,
-                bwd_us=bwd_us,
-                fwd_fixed_us=min(fwd.kernels * launch_us, 0.9 * fwd_us),
-                bwd_fixed_us=min(bwd.kernels * launch_us, 0.9 * bwd_us),
-                activation_bytes=activation_bytes,
-                saved_input_bytes=saved_inputs,
-                saved_output_bytes=saved_outputs,
-                fwd_flops=fwd.flops,
-                bwd_flops=bwd.flops,
-                fwd_kernels=fwd.kernels,
-                bwd_kernels=bwd.kernels,
-            )
-        )
+        fixed = (min(fwd.kernels * launch_us, 0.9 * fwd_us), min(bwd.kernels * launch_us, 0.9 * bwd_us))
+        costs.append(BlockCost.of(counters[i], saved[i], (fwd_us, bwd_us), fixed))
     return costs
 
 

@@ -45,6 +45,30 @@ class BlockCost:
     fwd_kernels: int
     bwd_kernels: int
 
+    @classmethod
+    def of(
+        cls,
+        counter: OpCounter,
+        saved: tuple[int, int, int],
+        times_us: tuple[float, float],
+        fixed_us: tuple[float, float],
+    ) -> BlockCost:
+        """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them) and times."""
+        fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
+        return cls(
+            fwd_us=times_us[0],
+            bwd_us=times_us[1],
+            fwd_fixed_us=fixed_us[0],
+            bwd_fixed_us=fixed_us[1],
+            activation_bytes=saved[0],
+            saved_input_bytes=saved[1],
+            saved_output_bytes=saved[2],
+            fwd_flops=fwd.flops,
+            bwd_flops=bwd.flops,
+            fwd_kernels=fwd.kernels,
+            bwd_kernels=bwd.kernels,
+        )
+
 
 class Runner:
     """A sandboxed copy of one block with its inputs, able to run forward and backward repeatedly."""
