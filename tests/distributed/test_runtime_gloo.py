@@ -138,3 +138,53 @@ def test_one_rank_step_eval_and_batch_check() -> None:
     torch.testing.assert_close(runner.eval_step(x), model(x))
     with pytest.raises(ConfigError, match="needs 8 samples per replica"):
         runner.step(x[:6], y[:6])
+
+
+@pytest.mark.usefixtures("single_process_pg")
+def test_buckets_hold_grads_as_views_and_keep_autograd_semantics() -> None:
+    from torch import nn
+
+    from lightning_autopart.buckets import make_buckets
+
+    torch.manual_seed(0)
+    used, unused, half = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64)
+    params = [*used.parameters(), *unused.parameters(), *half.parameters()]
+    group = torch.distributed.group.WORLD
+    buckets = make_buckets(params, micro_batches=2, group=group)
+    assert sorted(len(b.params) for b in buckets) == [2, 4]  # one dtype per bucket
+    assert all(p.dtype == b.flat.dtype for b in buckets for p in b.params)
+    earlier = torch.ones(4, dtype=torch.float64)
+    half.bias.grad = earlier.clone()  # a gradient from before the step (accumulation), not a view
+    for b in buckets:
+        b.attach(active=True)
+    x = torch.randn(3, 4)
+    for micro in x.split([2, 1]):
+        (used(micro).sum() + half(micro.double()).sum()).backward()
+    expected = {n: p.grad.clone() for n, p in [("w", used.weight), ("b", half.bias)]}
+    for b in buckets:
+        for p, view in zip(b.params, b.views, strict=True):
+            assert p.grad is None or p.grad.data_ptr() == view.data_ptr()
+        b.finish(replicas=2)  # one rank: the sum is the gradient itself, then halved
+    torch.testing.assert_close(used.weight.grad, expected["w"] / 2)
+    torch.testing.assert_close(half.bias.grad, expected["b"] / 2)
+    assert expected["b"][0].item() == pytest.approx(
+        earlier[0].item() + 3
+    )  # 1 + three samples' d(sum)/d(bias)
+    assert unused.weight.grad is None and unused.bias.grad is None  # no gradient, none before: left None
+    for p in params:  # zero_grad(set_to_none=False): views stay and are zeroed in place
+        if p.grad is not None:
+            p.grad.zero_()
+    pointers = [p.grad.data_ptr() if p.grad is not None else None for p in params]
+    for b in buckets:
+        b.attach(active=False)
+    assert all(ptr is None or p.grad.data_ptr() == ptr for p, ptr in zip(params, pointers, strict=True))
+    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in params)
+    for p in params:  # zero_grad(): a local (sync=False) step leaves unused parameters' gradients None
+        p.grad = None
+    for b in buckets:
+        b.attach(active=False)
+    used(x).sum().backward()
+    for b in buckets:
+        b.finish(replicas=2, sync=False)  # no all-reduce, no averaging
+    torch.testing.assert_close(used.bias.grad, torch.full((4,), 3.0))
+    assert all(p.grad is None for p in [*unused.parameters(), *half.parameters()])
