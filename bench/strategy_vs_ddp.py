@@ -4,7 +4,9 @@ Usage: ``python bench/strategy_vs_ddp.py [--rounds 3] [--steps 30] [--warmup 5]`
 ``python bench/strategy_vs_ddp.py --worker ddp`` and ``--worker autopart`` one after the other (the order
 alternates between rounds); Lightning's launcher starts the second process (``devices=2``), every process
 runs 1 thread. Rank 0 times ``steps`` optimizer steps after ``warmup`` and prints a ``RESULT {json}`` line;
-this driver prints a markdown table of the median samples/s and the ratio autopart / ddp.
+this driver prints a markdown table of the median samples/s and the ratio autopart / ddp. ``--with-raw`` adds a
+third side per round: a hand-written ``DistributedDataParallel`` loop without Lightning (``torchrun``, the same
+model, data, sampler and SGD), whose ratio ddp / raw is the share of the step that Lightning itself costs.
 """
 
 from __future__ import annotations
@@ -185,21 +187,62 @@ def _worker(kind: str, warmup: int, steps: int) -> None:
     os._exit(0)  # skip torch's slow interpreter teardown
 
 
+def _raw(warmup: int, steps: int) -> None:
+    """The same training without Lightning: DDP, a DistributedSampler over the same data, SGD, a plain loop."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(MLP())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = dataset(BATCH * world * (warmup + steps))
+    loader = DataLoader(
+        data, batch_size=BATCH, drop_last=True, sampler=DistributedSampler(data, shuffle=False)
+    )
+    start = 0.0
+    for i, (x, y) in enumerate(loader):
+        if i == warmup:
+            start = time.perf_counter()
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        print(
+            "RESULT "
+            + json.dumps({"samples_per_s": steps * BATCH * world / elapsed, "step_s": elapsed / steps})
+        )
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worker", choices=["ddp", "autopart"])
+    parser.add_argument("--worker", choices=["ddp", "autopart", "raw"])
+    parser.add_argument("--with-raw", action="store_true", help="also time DDP without Lightning (torchrun)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
+    if args.worker == "raw":
+        _raw(args.warmup, args.steps)
     if args.worker:
         _worker(args.worker, args.warmup, args.steps)
         return
-    results: dict[str, list[dict[str, Any]]] = {"ddp": [], "autopart": []}
+    results: dict[str, list[dict[str, Any]]] = {"ddp": [], "autopart": [], "raw": []}
     for r in range(args.rounds):
         order = ["ddp", "autopart"] if r % 2 == 0 else ["autopart", "ddp"]
+        if args.with_raw:
+            order.insert(1, "raw")
         for kind in order:
             cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(args.steps)]
+            if kind == "raw":
+                port = f"--master_port={_free_port()}"
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", port, *cmd[1:]]
             result = launch([*cmd, "--warmup", str(args.warmup)])
             results[kind].append(result)
             print(f"round {r + 1} {kind}: {result['samples_per_s']:.1f} samples/s", file=sys.stderr)
@@ -208,6 +251,8 @@ def main() -> None:
         f"{args.steps} timed steps after {args.warmup} warm-up, {args.rounds} interleaved rounds\n"
     )
     print(median_table(results, "ddp", "autopart"))
+    if args.with_raw:
+        print("\n" + median_table(results, "raw", "ddp"))
 
 
 if __name__ == "__main__":
