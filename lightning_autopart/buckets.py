@@ -1,15 +1,16 @@
 """Gradient buckets: the replicas' gradient all-reduce of one stage, overlapped with its backward.
 
 [Note: overlapped all-reduce] As DDP does with ``gradient_as_bucket_view=True``, the replicas' gradient
-all-reduce overlaps the last micro-batch's backward and copies nothing: parameters are grouped into buckets of
-``FIRST_BUCKET_BYTES``, then ``BUCKET_BYTES`` (DDP's sizes; one dtype each) in reverse registration order (about the order backward finishes them);
-each bucket owns one flat buffer and every parameter's ``.grad`` is a view into it, attached before the
-schedule runs (zeroed, or holding the gradient the parameter already had), so autograd accumulates in place. A
-post-accumulate-grad hook counts each parameter's accumulations; when every parameter of a bucket has received
-its last micro-batch's gradient, the buffer is all-reduced asynchronously, in place, and divided by the replicas
-after the schedule. Stages are captured graphs, so every replica finishes its buckets in the same order; a
-bucket that never became ready (a parameter that got no gradient) is reduced after the schedule, on every
-replica alike, and a parameter that got no gradient and had none keeps ``.grad`` None, as autograd leaves it.
+all-reduce overlaps the last micro-batch's backward and copies nothing. Parameters are grouped into buckets of
+``FIRST_BUCKET_BYTES``, then ``BUCKET_BYTES`` (DDP's sizes; one dtype each) in reverse registration order (about
+the order backward finishes them). Each bucket owns one flat buffer and every parameter's ``.grad`` is a view
+into it, attached before the schedule runs (zeroed, or holding the gradient the parameter already had), so
+autograd accumulates in place. A post-accumulate-grad hook counts each parameter's accumulations; when every
+parameter of a bucket has received its last micro-batch's gradient, the buffer is all-reduced asynchronously,
+in place, and divided by the replicas after the schedule. Stages are captured graphs, so every replica
+finishes its buckets in the same order; a bucket that never became ready (a parameter that got no gradient) is
+reduced after the schedule, on every replica alike, and a parameter that got no gradient and had none keeps
+``.grad`` None, as autograd leaves it.
 """
 
 from __future__ import annotations
