@@ -67,12 +67,13 @@ class GradBucket:
         """Make every ``.grad`` a view into the buffer, keeping its value, and arm the bucket for a step
         (``active=False``: a step that does not all-reduce; its hooks only count)."""
         self._had_grad = [p.grad is not None for p in self.params]
-        if not any(self._had_grad):
-            self.flat.zero_()
+        fresh = not any(self._had_grad)
+        if fresh:
+            self.flat.zero_()  # one memset instead of one per view
         for p, view in zip(self.params, self.views, strict=True):
             grad = p.grad
             if grad is None:
-                if any(self._had_grad):
+                if not fresh:
                     view.zero_()
                 p.grad = view
             elif grad.data_ptr() != view.data_ptr():

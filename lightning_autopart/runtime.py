@@ -114,9 +114,9 @@ class PipelineRunner:
         if plan.replicas > 1 and self._dp_group is not None:
             self._buckets = make_buckets(self._params, plan.micro_batches, self._dp_group)
         # A 1-stage plan has nothing to pipeline: its micro-batches run directly (see [Note: one stage]).
-        self._direct = plan.num_stages == 1
-        self._train = None if self._direct else self._schedule(with_loss=True)
-        self._eval = None if self._direct else self._schedule(with_loss=False)
+        direct = plan.num_stages == 1
+        self._train = None if direct else self._schedule(with_loss=True)
+        self._eval = None if direct else self._schedule(with_loss=False)
 
     @property
     def is_first(self) -> bool:
