@@ -4,16 +4,20 @@
 # Both create and reuse a local virtual environment in .venv (an installed torch is reused, never replaced).
 
 PYTHON ?= python3
+VENV_FLAGS ?= --system-site-packages
+TORCH_VERSION ?= 2.13.0
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.autopart-installed
 PYTEST_ARGS ?=
+# make test-torch TORCH=2.11.0: the whole suite in .venv-torch$(TORCH) on that torch (PyPI's build if it must).
+TORCH  ?= 2.11.0
 
-.PHONY: demo plan-demo test lint typecheck pytest bench clean
+.PHONY: demo plan-demo test test-torch test-gpu lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.py
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(BIN)/python scripts/ensure_torch.py
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	TORCH_VERSION=$(TORCH_VERSION) AUTOPART_TORCH_FROM_PYPI=$(AUTOPART_TORCH_FROM_PYPI) $(BIN)/python scripts/ensure_torch.py
 	$(BIN)/python -m pip install -q -e '.[test,dev,plot]'
 	touch $(STAMP)
 
@@ -36,6 +40,14 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# Another torch: a venv of its own (no system site packages, so the system's torch is not seen), same checks.
+test-torch:
+	$(MAKE) test VENV=.venv-torch$(TORCH) TORCH_VERSION=$(TORCH) VENV_FLAGS= AUTOPART_TORCH_FROM_PYPI=1
+
+# The GPU tier (tests marked gpu; skipped without CUDA) and the one-GPU benchmark.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests/gpu $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/plan_speed.py

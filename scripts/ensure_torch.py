@@ -4,6 +4,8 @@
 - otherwise, on a machine with an NVIDIA driver: install torch from PyPI (CUDA build, the user asked for GPUs).
 - otherwise (CPU only): install torch==$TORCH_VERSION (default 2.13.0) from a local wheel directory when pip has one
   configured (find-links), else from PyTorch's CPU-only index, so no CUDA wheels are downloaded.
+- only when AUTOPART_TORCH_FROM_PYPI=1 (``make test-torch`` sets it: the user asked for that version by name) and
+  neither of those has it: PyPI's build, a CUDA build of several GB on x86_64 that also runs on a CPU.
 """
 
 from __future__ import annotations
@@ -48,8 +50,18 @@ def main() -> int:
         return 0
     if any(glob.glob(os.path.join(d, f"torch-{version}*.whl")) for d in _local_wheel_dirs()):
         _pip(f"torch=={version}")
-    else:
+        return 0
+    try:
         _pip(f"torch=={version}", "--index-url", "https://download.pytorch.org/whl/cpu")
+    except subprocess.CalledProcessError:
+        if os.environ.get("AUTOPART_TORCH_FROM_PYPI") != "1":
+            print(
+                f"torch=={version} is neither in a local wheel directory nor on PyTorch's CPU index here; "
+                "install it yourself, or set AUTOPART_TORCH_FROM_PYPI=1 to take PyPI's (CUDA) build",
+                file=sys.stderr,
+            )
+            raise
+        _pip(f"torch=={version}")
     return 0
 
 
