@@ -6,13 +6,15 @@ Produced by :func:`lightning_autopart.capture.capture`, consumed by the profiler
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
-__all__: list[str] = ["Block", "CapturedModel", "TensorInfo"]
+__all__: list[str] = ["Block", "CapturedModel", "OutputSpec", "TensorInfo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,37 @@ class TensorInfo:
     producer: int
     #: Indices of the consuming blocks, ascending; len(blocks) means "a model output".
     consumers: tuple[int, ...]
+    #: Whether the value depends on a trainable parameter (it needs a gradient where it crosses a cut).
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """How to rebuild a forward's output from the tensors the pipeline carries.
+
+    ``slots[j]`` is the position, among the carried tensors, of output leaf ``j``; None for a constant leaf,
+    whose value is ``constants[j]``.
+    """
+
+    spec: pytree.TreeSpec
+    slots: tuple[int | None, ...]
+    constants: tuple[Any, ...]
+    #: Paths and types of the leaves that were dropped (rebuilt as None), e.g. ".past_key_values (DynamicCache)".
+    dropped: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def single(cls) -> OutputSpec:
+        """The spec of a forward that returns one tensor."""
+        return cls(pytree.tree_flatten(torch.empty(0))[1], (0,), (None,))
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The forward's output with ``tensors`` (the carried outputs, in order) in their places."""
+        leaves = [c if s is None else tensors[s] for s, c in zip(self.slots, self.constants, strict=True)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def with_slots(self, slots: Sequence[int | None]) -> OutputSpec:
+        """The same structure with the tensor leaves at other positions (after deduplication)."""
+        return OutputSpec(self.spec, tuple(slots), self.constants, self.dropped)
 
 
 @dataclass(slots=True)
@@ -72,7 +105,7 @@ class CapturedModel:
     #: ``cuts[k]``: every tensor produced by blocks <= k (or a model input) and used by blocks > k or as a
     #: model output; ``cuts[-1]`` is the model's outputs.
     cuts: list[tuple[TensorInfo, ...]]
-    #: The model's inputs.
+    #: The model's tensor inputs (the flat leaves of its arguments that are tensors, in order).
     inputs: tuple[TensorInfo, ...]
     #: Samples in the example batch (size of dim 0 of the first input).
     batch_size: int
@@ -82,6 +115,10 @@ class CapturedModel:
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: For "export": the top-level graph that calls ``submod_<k>`` for block k; None for "modules".
     split_graph: torch.fx.GraphModule | None = None
+    #: The other leaves of its arguments, baked into the programs, as (position among all leaves, value).
+    constant_inputs: tuple[tuple[int, Any], ...] = ()
+    #: How the forward's output is rebuilt from ``cuts[-1]`` (see [Note: output structure] in capture/outputs.py).
+    output: OutputSpec = field(default_factory=lambda: OutputSpec.single())
 
     @property
     def num_blocks(self) -> int:

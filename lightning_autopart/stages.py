@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from lightning_autopart.capture.portable import MODES_ATTRIBUTE, ModeSwitch
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.graph import CapturedModel, TensorInfo
 from lightning_autopart.plan import Plan
@@ -103,7 +104,7 @@ def _export_stage(captured: CapturedModel, start: int, end: int) -> fx.GraphModu
                 local[node] = env[next(names).name]
             elif node.op == "get_attr":
                 obj = operator.attrgetter(str(node.target))(program)
-                name = canonical.get(id(obj))
+                name = MODES_ATTRIBUTE if isinstance(obj, ModeSwitch) else canonical.get(id(obj))
                 if name is None:  # a lifted constant or a higher-order-op subgraph
                     name = next((n for n, o in root.items() if o is obj), f"_constant{len(root)}")
                     if isinstance(obj, torch.Tensor):
@@ -122,7 +123,8 @@ def _export_stage(captured: CapturedModel, start: int, end: int) -> fx.GraphModu
     for name in dict.fromkeys(constants):  # constants are no state: keep them out of state_dict
         owner, _, field = name.rpartition(".")
         holder = stage.get_submodule(owner)
-        holder.register_buffer(field, holder._buffers.pop(field), persistent=False)
+        value = holder._buffers.pop(field) if field in holder._buffers else holder.__dict__.pop(field)
+        holder.register_buffer(field, value, persistent=False)
     return stage
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.idioms import Factory, Structured, WideResidual
+
 __all__ = ["ZOO", "ZooModel", "example", "make"]
 
 
@@ -312,6 +314,11 @@ ZOO: dict[str, ZooModel] = {
     "huge_child": ZooModel(HugeChild, _randn(3, 4)),
     "called_twice": ZooModel(CalledTwice, _randn(3, 8)),
     "lightning": ZooModel(LitWrapper, _randn(4, 8)),
+    "factory": ZooModel(Factory, lambda g: torch.randint(0, 20, (4, 6), generator=g)),
+    "structured": ZooModel(
+        Structured, lambda g: (torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g))
+    ),
+    "wide_residual": ZooModel(WideResidual, _randn(3, 4)),
 }
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_autopart.capture.outputs import report_dropped
 from lightning_autopart.capture.via_export import capture_export
 from lightning_autopart.capture.via_hooks import capture_modules, first_line
 from lightning_autopart.errors import CaptureError, ConfigError
@@ -67,21 +68,31 @@ def capture(
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
     with _preserved(module):
-        if method == "modules":
-            return capture_modules(module, args, kwargs, max_blocks, None)
-        try:
-            return capture_export(module, args, kwargs, max_blocks)
-        except Exception as error:
-            reason = first_line(error)
-            if method == "export":
-                raise CaptureError(
-                    f"cannot capture {cls} with torch.export: {type(error).__name__}: {reason}. "
-                    f"Remove data-dependent control flow from the forward, or use method='modules'"
-                ) from error
-        _log.warning("torch.export cannot trace %s (%s); capturing with module hooks instead", cls, reason)
-        captured = capture_modules(module, args, kwargs, max_blocks, reason)
-        _log.info("captured %s with module hooks: %d blocks", cls, captured.num_blocks)
-        return captured
+        module.train()  # dropout probabilities as in training; modes are read when programs run
+        captured = _capture(module, args, kwargs, max_blocks, method)
+    report_dropped(captured.output, cls)
+    return captured
+
+
+def _capture(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, method: str
+) -> CapturedModel:
+    cls = type(module).__name__
+    if method == "modules":
+        return capture_modules(module, args, kwargs, max_blocks, None)
+    try:
+        return capture_export(module, args, kwargs, max_blocks)
+    except Exception as error:
+        reason = first_line(error)
+        if method == "export":
+            raise CaptureError(
+                f"cannot capture {cls} with torch.export: {type(error).__name__}: {reason}. "
+                f"Remove data-dependent control flow from the forward, or use method='modules'"
+            ) from error
+    _log.warning("torch.export cannot trace %s (%s); capturing with module hooks instead", cls, reason)
+    captured = capture_modules(module, args, kwargs, max_blocks, reason)
+    _log.info("captured %s with module hooks: %d blocks", cls, captured.num_blocks)
+    return captured
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

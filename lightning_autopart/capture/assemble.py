@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_autopart.graph import Block, CapturedModel, TensorInfo
+from lightning_autopart.graph import Block, CapturedModel, OutputSpec, TensorInfo
 
 __all__: list[str] = []
 
@@ -31,7 +31,9 @@ class RawBlock:
     op_count: int
 
 
-def describe(name: str, value: Any, producer: int, consumers: Sequence[int]) -> TensorInfo:
+def describe(
+    name: str, value: Any, producer: int, consumers: Sequence[int], requires_grad: bool = False
+) -> TensorInfo:
     """A :class:`TensorInfo` for a tensor (real, meta or fake); a non-tensor gets shape () and 0 bytes."""
     if isinstance(value, torch.Tensor):
         shape = tuple(int(s) for s in value.shape)
@@ -39,7 +41,10 @@ def describe(name: str, value: Any, producer: int, consumers: Sequence[int]) -> 
         dtype = str(value.dtype).removeprefix("torch.")
     else:
         shape, nbytes, dtype = (), 0, type(value).__name__
-    return TensorInfo(name, shape, dtype, nbytes, producer, tuple(sorted(set(consumers))))
+    floating = isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+    return TensorInfo(
+        name, shape, dtype, nbytes, producer, tuple(sorted(set(consumers))), requires_grad and floating
+    )
 
 
 def assemble(
@@ -50,6 +55,8 @@ def assemble(
     values: dict[str, Any],
     outputs: list[str],
     split_graph: torch.fx.GraphModule | None = None,
+    output: OutputSpec | None = None,
+    grads: set[str] | None = None,
 ) -> CapturedModel:
     """Build the :class:`CapturedModel`.
 
@@ -57,10 +64,14 @@ def assemble(
         module: The captured module.
         method: "export" or "modules".
         raw: The blocks in execution order.
-        inputs: The model inputs as (name, example value), in order.
+        inputs: The model's flat inputs as (name, example value), in order; the tensors become the captured
+            model's inputs, the other values (baked into the programs) its ``constant_inputs``.
         values: Example value (for shape and dtype) of every block output named in ``raw``.
-        outputs: Names of the model outputs, in order.
+        outputs: Names of the model's tensor outputs, in order (one per tensor leaf of ``output``).
         split_graph: The top-level graph calling ``submod_<k>`` ("export" only).
+        output: How the forward's output is rebuilt from its tensor leaves (default: one tensor).
+        grads: Names of the values that need a gradient (default: a block's floating outputs when the block
+            uses a trainable parameter or receives a value that needs one).
     """
     n = len(raw)
     producer = {name: -1 for name, _ in inputs}
@@ -73,13 +84,21 @@ def assemble(
             consumers[name].append(k)
     for name in outputs:
         consumers[name].append(n)
-    info = {name: describe(name, examples[name], producer[name], consumers[name]) for name in producer}
+    if grads is None:
+        grads = _block_grads(module, raw)
+    info = {
+        name: describe(name, examples[name], producer[name], consumers[name], name in grads)
+        for name in producer
+    }
     order = list(info.values())  # model inputs, then block outputs in execution order
     cuts = [
         tuple(t for t in order if t.producer <= k and t.consumers and t.consumers[-1] > k)
         for k in range(n - 1)
     ]
-    cuts.append(tuple(info[name] for name in dict.fromkeys(outputs)))
+    final = list(dict.fromkeys(outputs))
+    cuts.append(tuple(info[name] for name in final))
+    spec = output or OutputSpec.single()
+    spec = spec.with_slots([None if s is None else final.index(outputs[s]) for s in spec.slots])
 
     blocks = [
         Block(
@@ -106,9 +125,22 @@ def assemble(
         method=method,
         blocks=blocks,
         cuts=cuts,
-        inputs=tuple(info[name] for name, _ in inputs),
+        inputs=tuple(info[name] for name, value in inputs if isinstance(value, torch.Tensor)),
+        constant_inputs=tuple((i, v) for i, (_, v) in enumerate(inputs) if not isinstance(v, torch.Tensor)),
         batch_size=first.shape[0] if first is not None else 1,
         param_shapes={name: tuple(p.shape) for name, p in module.named_parameters()},
         tied={name: tuple(ks) for name, ks in users.items() if len(ks) > 1},
         split_graph=split_graph,
+        output=spec,
     )
+
+
+def _block_grads(module: nn.Module, raw: list[RawBlock]) -> set[str]:
+    """Values needing a gradient, block by block: all outputs of a block that uses a trainable parameter or
+    receives such a value (floating ones only count; see :func:`describe`)."""
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    grads: set[str] = set()
+    for block in raw:
+        if trainable.intersection(block.params) or grads.intersection(block.inputs):
+            grads.update(block.outputs)
+    return grads

@@ -1,4 +1,10 @@
-"""Block choice: which modules of the module tree become blocks, at most about ``max_blocks`` of them."""
+"""Block choice: which modules of the module tree become blocks, at most about ``max_blocks`` of them.
+
+[Note: repeated layers] The elements of a container holding several modules of one class (the layers of a
+transformer, the residual blocks of a ResNet stage) are the natural pipeline units, and every pipelining
+system cuts only between them: inside one, a residual skip or an attention's shared input crosses every inner
+cut. They are never split into their children.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ def block_modules(root: nn.Module, max_blocks: int, weight: Callable[[str], int]
     Start from the root's children with containers expanded into their children (recursively). Then,
     while there are fewer than ``max_blocks`` blocks, replace the heaviest block that has children and holds
     more than ``2 / max_blocks`` of the root's ``weight`` by its children, unless that would make more than
-    ``max_blocks`` blocks. A root without children is a single block, ``""``.
+    ``max_blocks`` blocks; repeated layers are never split (see [Note: repeated layers]). A root without
+    children is a single block, ``""``.
 
     Args:
         root: The captured module.
@@ -30,7 +37,7 @@ def block_modules(root: nn.Module, max_blocks: int, weight: Callable[[str], int]
     if not blocks:
         return [""]
     total = weight("")
-    stuck: set[str] = set()
+    stuck: set[str] = repeated_layers(root)
     while len(blocks) < max_blocks:
         candidates = [
             b
@@ -47,6 +54,19 @@ def block_modules(root: nn.Module, max_blocks: int, weight: Callable[[str], int]
         at = blocks.index(heaviest)
         blocks[at : at + 1] = kids
     return blocks
+
+
+def repeated_layers(root: nn.Module) -> set[str]:
+    """FQNs of the elements of containers that hold several modules of their class (see [Note: repeated layers])."""
+    found: set[str] = set()
+    for fqn, module in root.named_modules():
+        if not isinstance(module, _CONTAINERS):
+            continue
+        kinds: dict[type, list[str]] = {}
+        for name, child in module.named_children():
+            kinds.setdefault(type(child), []).append(f"{fqn}.{name}" if fqn else name)
+        found.update(n for names in kinds.values() if len(names) > 1 for n in names)
+    return found
 
 
 def children(module: nn.Module, prefix: str) -> list[str]:

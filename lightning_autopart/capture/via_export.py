@@ -1,4 +1,10 @@
-"""Capture by torch.export: one graph of the whole forward, cut at block boundaries into one program each."""
+"""Capture by torch.export: one graph of the whole forward, cut at block boundaries into one program each.
+
+[Note: runs] A block is a contiguous run of operations. A module whose operations are interrupted by another
+block's (a layer called twice, a shared bias module used by every layer) becomes one block per run; the
+parameters it uses then appear in several blocks and are handled as tied weights (one owner, gradients summed
+over the stages holding a copy), so a shared module never fuses everything between its uses into one block.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +22,17 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.outputs import flat_forward
+from lightning_autopart.capture.portable import (
+    MODES_ATTRIBUTE,
+    ModeSwitch,
+    follow_device,
+    follow_mode,
+    home_device,
+)
 from lightning_autopart.capture.tree import block_modules, param_weight
 from lightning_autopart.errors import CaptureError
-from lightning_autopart.graph import CapturedModel
+from lightning_autopart.graph import CapturedModel, OutputSpec
 
 __all__: list[str] = []
 
@@ -29,7 +43,8 @@ def capture_export(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int
 ) -> CapturedModel:
     """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs."""
-    with _quiet():
+    found: list[OutputSpec] = []
+    with _quiet(), flat_forward(module, found):
         ep = torch.export.export(module, args, kwargs, strict=False)
     cls = type(module).__name__
     attrs, canonical, user_inputs = _lifted(ep, module)
@@ -44,23 +59,24 @@ def capture_export(
     if not ops:
         raise CaptureError(f"cannot capture {cls}: its forward performs no tensor operations")
 
-    fqns, owner = _owners(module, ops, max_blocks)
-    group, members = contiguous_groups(owner)
-    nodes_of = group_members(group, ops, len(members))
-    interface, programs = _split(nodes_of, attrs, model_outputs)
-    split_graph = _top_graph(cls, user_inputs, interface, programs, model_outputs)
+    fqns, group, group_blocks = _blocks(module, ops, max_blocks)
+    nodes_of = group_members(group, ops, len(group_blocks))
     flat = pytree.tree_leaves((args, _reorder(kwargs, ep.call_spec.in_spec)))
+    home = home_device([*flat, *module.parameters(), *module.buffers()])
+    interface, programs = _split(nodes_of, attrs, model_outputs, home, ModeSwitch(module))
+    split_graph = _top_graph(cls, user_inputs, interface, programs, model_outputs)
     recorder = _Recorder(split_graph)
     with torch.no_grad():
         recorder.run(*flat)
 
+    names = _run_names([fqns[b] or cls for b in group_blocks])
     blocks = []
     for k, ((inputs, outputs), nodes) in enumerate(zip(interface, nodes_of, strict=True)):
         used = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a in attrs))
         blocks.append(
             RawBlock(
-                name="+".join(fqns[b] or cls for b in members[k]),
-                modules=tuple(fqns[b] for b in members[k]),
+                name=names[k],
+                modules=(fqns[group_blocks[k]],),
                 params=tuple(canonical[a] for a in used if attrs[a][0] == "param"),
                 buffers=tuple(canonical[a] for a in used if attrs[a][0] == "buffer"),
                 program=split_graph.get_submodule(f"submod_{k}"),
@@ -73,7 +89,37 @@ def capture_export(
     values = {o.name: o.meta.get("val") for _, outputs in interface for o in outputs}
     inputs_info = [(p.name, v) for p, v in zip(user_inputs, flat, strict=True)]
     out_names = [o.name for o in model_outputs if isinstance(o, fx.Node)]
-    return assemble(module, "export", blocks, inputs_info, values, out_names, split_graph)
+    grads = _requiring_grad(ep.graph, attrs)
+    return assemble(
+        module, "export", blocks, inputs_info, values, out_names, split_graph, found[-1], grads
+    )
+
+
+def _run_names(fqns: list[str]) -> list[str]:
+    """Block names: a module's first run keeps its FQN, later runs are "fqn#2", "fqn#3" (see [Note: runs])."""
+    seen: Counter[str] = Counter()
+    names = []
+    for fqn in fqns:
+        seen[fqn] += 1
+        names.append(fqn if seen[fqn] == 1 else f"{fqn}#{seen[fqn]}")
+    return names
+
+
+def _requiring_grad(graph: fx.Graph, attrs: dict[fx.Node, tuple[str, str, Any]]) -> set[str]:
+    """Names of the floating values that depend on a trainable parameter: they need a gradient when they cross a
+    cut (a conservative superset: a ``.detach()`` in between is not seen)."""
+    grads: set[str] = set()
+    for node in graph.nodes:
+        if node in attrs:
+            kind, _, obj = attrs[node]
+            if kind == "param" and getattr(obj, "requires_grad", False):
+                grads.add(node.name)
+        elif node.op == "call_function" and any(a.name in grads for a in node.all_input_nodes):
+            val = node.meta.get("val")
+            floating = isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
+            if floating or node.target is operator.getitem or isinstance(val, (tuple, list)):
+                grads.add(node.name)
+    return grads
 
 
 def _lifted(
@@ -114,28 +160,81 @@ def _lifted(
     return attrs, canonical, user_inputs
 
 
-def _owners(module: nn.Module, ops: list[fx.Node], max_blocks: int) -> tuple[list[str], list[int | None]]:
-    """Choose the block modules; give each operation the block whose module its nn_module_stack names.
+def _blocks(module: nn.Module, ops: list[fx.Node], max_blocks: int) -> tuple[list[str], list[int], list[int]]:
+    """Choose the block modules and group the operations into runs of one block each (see [Note: runs]).
+
+    Every operation goes to the block whose module its ``nn_module_stack`` names; glue outside every block
+    stays with the module whose forward runs it (see :func:`_owners`).
 
     Returns:
-        The block FQNs, and each operation's block index (None for glue outside every block).
+        The block FQNs, each operation's group, and each group's block.
     """
     paths = [{path for path, _ in n.meta.get("nn_module_stack", {}).values()} for n in ops]
-    ops_under = Counter(p for ps in paths for p in ps)
     weight = param_weight(module)
+    ops_under = Counter(p for ps in paths for p in ps)
     fqns = block_modules(module, max_blocks, weight if weight("") > 0 else ops_under.__getitem__)
+    owner = _owners(fqns, ops, paths)
+    if all(o is None for o in owner):  # every operation is glue: the whole model is one block
+        return [""], [0] * len(ops), [0]
+    group, group_blocks = runs(owner)
+    return fqns, group, group_blocks
+
+
+def runs(owner: Sequence[int | None]) -> tuple[list[int], list[int]]:
+    """Group operations into maximal contiguous runs of one block; glue (None) joins the run that follows it.
+
+    Returns:
+        Each operation's group, and each group's block (groups in execution order). Trailing glue joins the
+        last group; if every operation is glue there is one group, of block 0.
+    """
+    filled: list[int | None] = list(owner)
+    following: int | None = None
+    for pos in reversed(range(len(filled))):
+        if filled[pos] is None:
+            filled[pos] = following
+        following = filled[pos]
+    last = next((b for b in reversed(owner) if b is not None), 0)
+    group: list[int] = []
+    blocks: list[int] = []
+    for b in filled:
+        b = last if b is None else b
+        if not blocks or blocks[-1] != b:
+            blocks.append(b)
+        group.append(len(blocks) - 1)
+    return group, blocks or [0]
+
+
+def _owners(fqns: list[str], ops: list[fx.Node], paths: list[set[str]]) -> list[int | None]:
+    """Each operation's block index; a tuple access stays with its tuple.
+
+    Glue (an operation outside every block) stays inside the module whose forward runs it: it joins the next
+    block within that module, else the previous one (a residual add after the last child); glue of the root
+    (None here) joins the block that follows it.
+    """
     index = {f: i for i, f in enumerate(fqns)}
     position = {n: i for i, n in enumerate(ops)}
     owner: list[int | None] = []
     for node, ps in zip(ops, paths, strict=True):
         source = node.args[0] if node.target is operator.getitem else None
-        if isinstance(source, fx.Node) and source in position:  # a tuple access stays with its tuple
+        if isinstance(source, fx.Node) and source in position:
             owner.append(owner[position[source]])
         else:
             owner.append(next((index[p] for p in ps if p in index), None))
-    if all(o is None for o in owner):  # every operation is glue: the whole model is one block
-        return [""], [0] * len(ops)
-    return fqns, owner
+    after: list[int | None] = [None] * len(ops)
+    for pos in reversed(range(len(ops) - 1)):
+        after[pos] = owner[pos + 1] if owner[pos + 1] is not None else after[pos + 1]
+    before: int | None = None
+    for pos, node in enumerate(ops):
+        if owner[pos] is not None:
+            before = owner[pos]
+            continue
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        inner = stack[-1][0] if stack else ""
+        if not inner:
+            continue
+        inside = [b for b in (after[pos], before) if b is not None and fqns[b].startswith(inner + ".")]
+        owner[pos] = inside[0] if inside else None
+    return owner
 
 
 def _top_graph(
@@ -159,42 +258,6 @@ def _top_graph(
     return fx.GraphModule(holder, top, class_name=f"{cls}Split")
 
 
-def contiguous_groups(owner: Sequence[int | None]) -> tuple[list[int], list[list[int]]]:
-    """Group blocks so each group's nodes are contiguous; give every node (glue included) its group.
-
-    ``owner[i]`` is the block of node ``i`` in execution order, or None for glue. Blocks whose spans of
-    nodes overlap (a module called at two distant places) are merged with everything between. Glue joins
-    the group of the next owned node; trailing glue joins the last group.
-
-    Returns:
-        The group of each node, and the blocks of each group (groups in execution order).
-    """
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for pos, b in enumerate(owner):
-        if b is not None:
-            first.setdefault(b, pos)
-            last[b] = pos
-    members: list[list[int]] = []
-    group_of: dict[int, int] = {}
-    end = -1
-    for b in sorted(first, key=first.__getitem__):
-        if members and first[b] < end:
-            members[-1].append(b)
-        else:
-            members.append([b])
-        end = max(end, last[b])
-        group_of[b] = len(members) - 1
-    group = [0] * len(owner)
-    following = len(members) - 1
-    for pos in reversed(range(len(owner))):
-        b = owner[pos]
-        if b is not None:
-            following = group_of[b]
-        group[pos] = following
-    return group, members
-
-
 def group_members(group: list[int], ops: list[fx.Node], count: int) -> list[list[fx.Node]]:
     """The nodes of each group, in execution order."""
     out: list[list[fx.Node]] = [[] for _ in range(count)]
@@ -204,9 +267,15 @@ def group_members(group: list[int], ops: list[fx.Node], count: int) -> list[list
 
 
 def _split(
-    nodes_of: list[list[fx.Node]], attrs: dict[fx.Node, tuple[str, str, Any]], model_outputs: list[Any]
+    nodes_of: list[list[fx.Node]],
+    attrs: dict[fx.Node, tuple[str, str, Any]],
+    model_outputs: list[Any],
+    home: torch.device | None,
+    switch: ModeSwitch,
 ) -> tuple[list[tuple[list[fx.Node], list[fx.Node]]], list[fx.GraphModule]]:
-    """One GraphModule per group, returning a tuple; parameters are get_attr of the user's own tensors.
+    """One GraphModule per group, returning a tuple; parameters are get_attr of the user's own tensors, and
+    tensors created inside follow the device of the program's inputs (see [Note: portable programs]) and
+    training flags the mode of the user's modules (see [Note: modes]).
 
     Returns:
         Each program's input and output nodes (of the exported graph), and the programs.
@@ -233,7 +302,10 @@ def _split(
         for n in nodes:
             env[n] = graph.node_copy(n, env.__getitem__)
         graph.output(tuple(env[o] for o in outputs))
-        root = {attrs[a][1]: attrs[a][2] for a in used}
+        root: dict[str, Any] = {attrs[a][1]: attrs[a][2] for a in used}
+        follow_device(graph, home, root)
+        if follow_mode(graph, switch):
+            root[MODES_ATTRIBUTE] = switch
         programs.append(fx.GraphModule(root, graph, class_name=f"Block{k}"))
         interface.append((inputs, outputs))
     return interface, programs

@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.outputs import flatten_output
 from lightning_autopart.capture.tree import ancestors, block_modules, collapse, param_weight
 from lightning_autopart.errors import CaptureError
 from lightning_autopart.graph import CapturedModel
@@ -229,11 +230,8 @@ def _capture_once(
     finally:
         for handle in handles:
             handle.remove()
-    out_names = [
-        tracker.lookup(t, "", f"model output {j}") or ""
-        for j, t in enumerate(pytree.tree_leaves(output))
-        if isinstance(t, torch.Tensor)
-    ]
+    out_tensors, output_spec = flatten_output(output)
+    out_names = [tracker.lookup(t, "", f"model output {j}") or "" for j, t in enumerate(out_tensors)]
     if "" in out_names:
         raise Glue(
             "", "a model output is a parameter or buffer, returned by {owner}.forward outside any submodule"
@@ -268,7 +266,7 @@ def _capture_once(
             )
         )
     values = {name: tracker.examples[name] for block in raw for name in block.outputs}
-    return assemble(module, "modules", raw, inputs, values, out_names)
+    return assemble(module, "modules", raw, inputs, values, out_names, output=output_spec)
 
 
 def _bind(hook: Callable[..., None], fqn: str) -> Callable[..., None]:

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture import capture, split_inputs
 from lightning_autopart.capture.tree import block_modules, collapse, param_weight
-from lightning_autopart.capture.via_export import contiguous_groups
+from lightning_autopart.capture.via_export import runs
 from lightning_autopart.errors import CaptureError, ConfigError
 from lightning_autopart.graph import CapturedModel
 from tests.models import GPT, Net, example, make
@@ -23,11 +23,8 @@ _GPT_LAYERS = [f"layers.{i}" for i in range(3)]
 #: name -> (method, max_blocks, block names)
 EXPECTED: dict[str, tuple[str, int, list[str]]] = {
     "mlp": ("export", 64, [f"layers.{i}" for i in range(4)]),
-    "residual": (
-        "export",
-        8,
-        ["stem", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1", "blocks.2", "head"],
-    ),
+    # Repeated residual blocks are never split into their children (a skip crosses every inner cut).
+    "residual": ("export", 8, ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]),
     "gpt": ("export", 8, ["tok", "pos", *_GPT_LAYERS, "ln_f", "head"]),
     "resnet": ("export", 8, ["stem.0", "stem.1", "stem.2", "stage1", "stage2", "pool", "fc"]),
     "two_inputs": ("export", 64, ["enc_a", "enc_b", "head"]),
@@ -35,7 +32,8 @@ EXPECTED: dict[str, tuple[str, int, list[str]]] = {
     "param_free": ("export", 64, ["conv", "act", "flat", "fc"]),
     "data_dependent": ("modules", 64, ["inp", "gate", "out"]),
     "huge_child": ("export", 64, ["embed", *[f"body.layers.{i}" for i in range(8)], "head"]),
-    "called_twice": ("export", 64, ["shared+mid", "last"]),
+    # A module called twice is one block per call; its weight is tied between them.
+    "called_twice": ("export", 64, ["shared", "mid", "shared#2", "last"]),
     "lightning": (
         "export",
         6,
@@ -275,9 +273,9 @@ def test_max_blocks_splits_one_huge_child() -> None:
 
 
 def test_block_helpers() -> None:
-    group, members = contiguous_groups([None, 0, 0, 1, 0, 2, None, 3, None])
-    assert members == [[0, 1], [2], [3]]
-    assert group == [0, 0, 0, 0, 0, 1, 2, 2, 2]
+    group, blocks = runs([None, 0, 0, 1, 0, 2, None, 3, None])
+    assert blocks == [0, 1, 0, 2, 3]  # block 0 runs twice: two groups
+    assert group == [0, 0, 0, 1, 2, 3, 4, 4, 4]
     assert collapse(["a", "b.x", "b.y", "c"], "b") == ["a", "b", "c"]
     single = nn.Linear(3, 3)
     assert block_modules(single, 8, param_weight(single)) == [""]

@@ -1,0 +1,170 @@
+"""Captured programs that run anywhere and in either mode: devices and train/eval flags are read at run time.
+
+[Note: portable programs] torch.export records the device of every tensor the forward creates
+(``torch.arange(t, device=x.device)``, a causal mask from ``torch.ones(..., device=x.device)``,
+``torch.randn``-style noise, ``.to(x.device)``) as a constant: the device the model was captured on. A stage
+captured on the CPU (or on ``meta``, for planning) and run on a GPU would then mix devices. So every device
+constant equal to the capture device is replaced by the device of a tensor the program receives (its first
+tensor input, else its first parameter or buffer), read when the program runs. A device that differs from the
+capture device (an explicit ``.cpu()`` in a GPU model) stays as written.
+
+[Note: modes] torch.export also records ``self.training`` as a constant: ``dropout(x, p, train=True)``,
+``batch_norm(..., training=True, ...)`` and BatchNorm's ``num_batches_tracked += 1``. Models are captured in
+training mode (so a dropout's probability is the training one), and each such flag becomes a read of the
+``training`` attribute of the user's module that made the call, when the program runs. Lightning's
+``model.train()``/``model.eval()`` and a user's own per-module choice (a frozen BatchNorm) then switch the
+pipelined programs as they switch the model.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["MODES_ATTRIBUTE", "ModeSwitch", "follow_device", "follow_mode", "home_device"]
+
+_aten = torch.ops.aten
+
+#: Operations whose argument at this position is ``self.training`` (see [Note: modes]).
+_MODE_ARGS: dict[Any, int] = {
+    _aten.dropout.default: 2,
+    _aten.feature_dropout.default: 2,
+    _aten.alpha_dropout.default: 2,
+    _aten.feature_alpha_dropout.default: 2,
+    _aten.native_dropout.default: 2,
+    _aten.batch_norm.default: 5,
+}
+
+#: Name of the program attribute holding the :class:`ModeSwitch`.
+MODES_ATTRIBUTE = "_autopart_modes"
+
+
+class ModeSwitch:
+    """The user's modules, read for their ``training`` flag when a program runs (see [Note: modes]).
+
+    Copies of a program (the profiler's) share it: deep-copying returns the same switch, never the model.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = root
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModeSwitch:
+        return self
+
+    def training(self, fqn: str) -> bool:
+        """Whether the module ``fqn`` of the captured model is in training mode."""
+        module = self._root.get_submodule(fqn) if fqn else self._root
+        return bool(module.training)
+
+
+def follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
+    """Replace every training-mode constant in ``graph`` by a run-time read of its module's flag.
+
+    Returns:
+        How many operations now follow a module's mode.
+    """
+    holder: fx.Node | None = None
+    rewritten = 0
+    for node in list(graph.nodes):
+        position = _mode_position(node)
+        if position is None:
+            continue
+        if holder is None:
+            first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+            with graph.inserting_before(first_op):
+                holder = graph.get_attr(MODES_ATTRIBUTE)
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        fqn = stack[-1][0] if stack else ""
+        with graph.inserting_before(node):
+            flag = graph.call_method("training", (holder, fqn))
+        args = list(node.args)
+        args[position] = flag
+        node.args = tuple(args)
+        rewritten += 1
+    return rewritten
+
+
+def _mode_position(node: fx.Node) -> int | None:
+    """Where ``node`` takes ``self.training``: dropout and batch-norm flags (batch norm only when it tracks running
+    statistics: without them it always normalises by the batch), BatchNorm's ``num_batches_tracked += 1``."""
+    if node.op != "call_function":
+        return None
+    if node.target is _aten.add_.Tensor and len(node.args) == 2:
+        buffer = node.args[0]
+        if isinstance(buffer, fx.Node) and buffer.op == "get_attr":
+            return 1 if str(buffer.target).endswith("num_batches_tracked") else None
+        return None
+    position = _MODE_ARGS.get(node.target)
+    if position is None or len(node.args) <= position or not isinstance(node.args[position], bool):
+        return None
+    if node.target is _aten.batch_norm.default and node.args[3] is None:
+        return None
+    return position
+
+
+def home_device(values: list[Any]) -> torch.device | None:
+    """The device of the first tensor among ``values`` (the capture's inputs, then its parameters)."""
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+
+
+def _is_tensor_node(node: fx.Node, attrs: dict[str, Any]) -> bool:
+    if node.op == "placeholder":
+        return isinstance(node.meta.get("val"), torch.Tensor)
+    return node.op == "get_attr" and isinstance(attrs.get(str(node.target)), torch.Tensor)
+
+
+def follow_device(graph: fx.Graph, home: torch.device | None, attrs: dict[str, Any]) -> int:
+    """Replace every ``home`` device constant in ``graph`` by the run-time device of an anchor tensor.
+
+    Args:
+        graph: A block or stage program's graph (changed in place).
+        home: The device the model was captured on; None changes nothing.
+        attrs: The program's attributes by ``get_attr`` target (to tell tensors from submodules).
+
+    Returns:
+        How many arguments were rewritten (0 when no node names ``home`` or the program has no tensor).
+    """
+    if home is None:
+        return 0
+    uses = [
+        n for n in graph.nodes if n.op == "call_function" and _names_device(n, home)
+    ]
+    anchor = next((n for n in graph.nodes if _is_tensor_node(n, attrs)), None)
+    if not uses or anchor is None:
+        return 0
+    first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    with graph.inserting_before(first_op):
+        device = graph.call_function(builtins.getattr, (anchor, "device"))
+    rewritten = 0
+    for node in uses:
+
+        def swap(value: Any) -> Any:
+            nonlocal rewritten
+            if isinstance(value, torch.device) and _same(value, home):
+                rewritten += 1
+                return device
+            return value
+
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    return rewritten
+
+
+def _same(device: torch.device, home: torch.device) -> bool:
+    """``device`` is ``home`` (an index-less "cuda" matches any CUDA index of the same type)."""
+    return device.type == home.type and (device.index is None or home.index is None or device.index == home.index)
+
+
+def _names_device(node: fx.Node, home: torch.device) -> bool:
+    found = False
+
+    def look(value: Any) -> Any:
+        nonlocal found
+        found = found or (isinstance(value, torch.device) and _same(value, home))
+        return value
+
+    fx.node.map_aggregate((node.args, node.kwargs), look)
+    return found

@@ -1,0 +1,99 @@
+"""Models written the way real model code is: tensors made in forward, structured outputs, shared modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Factory", "KVCache", "Structured", "StructuredOut", "WideResidual"]
+
+
+class Factory(nn.Module):
+    """Creates tensors in forward as transformers do: positions, a causal mask, zeros/full/ones, noise, dropout."""
+
+    def __init__(self, vocab: int = 20, dim: int = 8, seq: int = 6) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        positions = torch.arange(t, device=idx.device).unsqueeze(0).expand(b, t)
+        x = self.tok(idx) + self.pos(positions)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        scores = (x @ x.transpose(1, 2)).masked_fill(mask, float("-inf"))
+        x = self.mix(scores.softmax(-1) @ x)
+        bias = torch.zeros(x.shape[-1], device=x.device) + torch.full((1,), 0.5, device=x.device)
+        noise = torch.randn(x.shape, device=x.device) * 0.0  # randn-style noise (scaled away: deterministic)
+        x = F.dropout(x + bias + noise + x.new_ones(()), p=0.1, training=self.training)
+        return self.out(x)
+
+
+class KVCache:
+    """A stand-in for a key/value cache object (not a tensor, not a pytree node)."""
+
+    def __init__(self, keys: list[torch.Tensor]) -> None:
+        self.keys = keys
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+@dataclass
+class StructuredOut:
+    """A dataclass output (registered as a pytree node, as transformers registers ``ModelOutput``)."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    extra: dict[str, Any]
+
+
+torch.utils._pytree.register_dataclass(StructuredOut)
+
+
+class Structured(nn.Module):
+    """Computes its loss from labels passed in, returns a dataclass holding a dict, a named tuple, a constant
+    and a cache object that the loss does not need."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> StructuredOut:
+        h = self.body(x)
+        logits = self.head(h)
+        loss = F.cross_entropy(logits, labels)
+        extra = {"pair": Pair(h, logits), "steps": 3, "cache": KVCache([h]), "again": logits}
+        return StructuredOut(loss=loss, logits=logits, extra=extra)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class WideResidual(nn.Module):
+    """One heavy residual block (not a repeated layer) between a small stem and head."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, width)
+        self.block = ResBlock(width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.stem(x)))

@@ -1,0 +1,184 @@
+"""Capture of real model code: tensors made in forward follow the device, structured outputs are rebuilt, shared
+modules and non-chain children do not break the blocks."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_autopart.capture import capture, split_inputs
+from lightning_autopart.graph import CapturedModel
+from lightning_autopart.stages import build_stage_module
+from tests.idioms import KVCache, StructuredOut
+from tests.models import example, make
+
+
+def _flat(example_inputs: Any) -> list[Any]:
+    args, kwargs = split_inputs(example_inputs)
+    return pytree.tree_leaves((args, kwargs))
+
+
+def _run_stages(
+    captured: CapturedModel, inputs: list[Any], bounds: list[int], device: str | None = None
+) -> tuple[Any, ...]:
+    """Chain the stages ``bounds`` delimits; with ``device``, each stage is first copied there (as a rank moves its
+    stage to its device; the copy keeps the user's model where it is)."""
+    values = tuple(inputs)
+    for start, end in itertools.pairwise(bounds):
+        stage = build_stage_module(captured, start, end)
+        if device == "meta":
+            stage = copy.deepcopy(stage).to(device)
+        elif device is not None:
+            stage = copy.deepcopy(stage).to_empty(device=device)
+        values = stage(*values)
+    return values
+
+
+@pytest.mark.parametrize("name", ["factory", "gpt"])
+def test_captured_on_cpu_stages_run_on_meta(name: str) -> None:
+    """Tensors created in forward (arange, ones, triu, zeros, full, randn, new_ones, dropout) follow the stage's
+    device: capture on the CPU, run every stage on meta (a stand-in for a GPU that CPU tests can use)."""
+    model, x = make(name), example(name)
+    model.train()
+    captured = capture(model, x, max_blocks=8)
+    assert captured.num_blocks >= 3
+    (out,) = _run_stages(captured, [x.to("meta")], list(range(captured.num_blocks + 1)), "meta")
+    assert out.is_meta and tuple(out.shape) == captured.cuts[-1][0].shape
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    model.eval()
+    with torch.no_grad():
+        (cpu_out,) = _run_stages(captured, [x], [0, 2, captured.num_blocks])
+        torch.testing.assert_close(cpu_out, model(x))
+
+
+def test_device_constants_follow_the_inputs_in_every_program() -> None:
+    captured = capture(make("factory"), example("factory"))
+    devices = [
+        n
+        for b in captured.blocks
+        for n in b.program.graph.nodes
+        if any(isinstance(v, torch.device) for v in (*n.args, *n.kwargs.values()))
+    ]
+    assert devices == []  # every "device=cpu" became the device of an input, read at run time
+    assert "getattr" in "".join(b.program.code for b in captured.blocks)
+
+
+def test_structured_output_is_rebuilt_and_the_cache_dropped() -> None:
+    model, (x, y) = make("structured"), example("structured")
+    with pytest.warns(UserWarning, match=r"\.extra\['cache'\] \(KVCache\).*use_cache=False"):
+        captured = capture(model, (x, y), max_blocks=8)
+    assert captured.method == "export"
+    tensors = _run_stages(captured, [x, y], [0, 2, captured.num_blocks])
+    assert len(tensors) == len(captured.cuts[-1]) == 3  # loss, logits, h (logits deduplicated)
+    out = captured.output.rebuild(tensors)
+    reference = model(x, y)
+    assert isinstance(out, StructuredOut) and isinstance(reference.extra["cache"], KVCache)
+    torch.testing.assert_close(out.loss, reference.loss)
+    torch.testing.assert_close(out.logits, reference.logits)
+    assert type(out.extra["pair"]).__name__ == "Pair"
+    torch.testing.assert_close(out.extra["pair"].first, reference.extra["pair"].first)
+    assert out.extra["again"] is out.logits  # one tensor in two places stays one tensor
+    assert out.extra["steps"] == 3 and out.extra["cache"] is None
+    assert captured.output.dropped == (".extra['cache'] (KVCache)",)
+    labels = captured.inputs[1]
+    assert labels.dtype == "int64" and not labels.requires_grad
+    assert all(labels in cut for cut in captured.cuts[:-1])  # the labels travel to the loss
+
+
+class _DictOut(nn.Module):
+    """Glue-free (hooks can capture it), returns a dict with a cache object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = self.a(x)
+        return {"logits": self.b(h), "hidden": h, "cache": KVCache([h])}
+
+
+def test_hooks_capture_rebuilds_the_output_too() -> None:
+    model, x = _DictOut(), torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"\['cache'\] \(KVCache\)"):
+        captured = capture(model, x, method="modules")
+    out = captured.output.rebuild(_run_stages(captured, [x], [0, 1, captured.num_blocks]))
+    assert set(out) == {"logits", "hidden", "cache"} and out["cache"] is None
+    torch.testing.assert_close(out["logits"], model(x)["logits"])
+
+
+def test_which_cut_values_need_gradients() -> None:
+    captured = capture(make("gpt"), example("gpt"), max_blocks=8)
+    kinds = {(t.dtype, t.requires_grad) for cut in captured.cuts[:-1] for t in cut}
+    assert kinds == {("bool", False), ("float32", True)}  # the mask needs none, activations do
+    captured = capture(make("structured"), example("structured"))
+    assert [t.requires_grad for t in captured.cuts[-1]] == [True, True, True]
+
+
+def test_a_module_called_twice_is_two_blocks_with_a_tied_weight() -> None:
+    model, x = make("called_twice"), example("called_twice")
+    captured = capture(model, x)
+    assert [b.name for b in captured.blocks] == ["shared", "mid", "shared#2", "last"]
+    assert captured.tied == {"shared.weight": (0, 2), "shared.bias": (0, 2)}
+    first, second = build_stage_module(captured, 0, 2), build_stage_module(captured, 2, 4)
+    second(*first(x))[0].sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad)
+
+
+def test_repeated_layers_are_never_split() -> None:
+    """A heavy residual block alone may be split by weight (its residual add stays inside the block's last run);
+    repeated layers are kept whole: attention is never split into q/k/v."""
+    captured = capture(make("wide_residual"), example("wide_residual"), max_blocks=64)
+    assert [b.name for b in captured.blocks] == ["stem", "block.fc1", "block.fc2", "head"]
+    assert captured.blocks[2].op_count > captured.blocks[1].op_count  # relu and the skip add ride with fc2
+    captured = capture(make("gpt"), example("gpt"), max_blocks=64)
+    assert [b.name for b in captured.blocks] == ["tok", "pos", "layers.0", "layers.1", "layers.2", "ln_f", "head"]
+
+
+def test_meta_inputs_capture_programs_that_run_on_cpu() -> None:
+    """Captured on meta (planning a model that does not fit), the stages still run on real tensors."""
+    with torch.device("meta"):
+        model = make("factory")
+    captured = capture(model, torch.zeros(4, 6, dtype=torch.long, device="meta"))
+    with torch.no_grad():
+        (out,) = _run_stages(captured, [example("factory")], [0, 2, captured.num_blocks], "cpu")
+    assert out.device.type == "cpu" and tuple(out.shape) == (4, 6, 20)
+
+
+def test_stages_follow_the_models_train_and_eval_modes() -> None:
+    """Dropout and BatchNorm flags are read from the user's modules when the stages run (captured in train mode)."""
+    model, x = make("factory"), example("factory")
+    captured = capture(model.eval(), x, max_blocks=8)  # captured in training mode whatever the model's mode
+    assert not model.training
+    with torch.no_grad():
+        (out,) = _run_stages(captured, [x], [0, 2, captured.num_blocks])
+        torch.testing.assert_close(out, model(x))  # eval: dropout off
+        model.train()
+        torch.manual_seed(3)
+        (out,) = _run_stages(captured, [x], [0, 2, captured.num_blocks])
+        torch.manual_seed(3)
+        torch.testing.assert_close(out, model(x))  # train: the same dropout mask
+
+    net, image = make("resnet"), example("resnet")
+    twin = copy.deepcopy(net)
+    captured = capture(net, image, max_blocks=8)
+    bounds = [0, 3, captured.num_blocks]
+    for mode in ("train", "eval", "frozen"):
+        for m in (net, twin):
+            m.train(mode != "eval")
+            if mode == "frozen":
+                m.get_submodule("stage1").eval()  # a user's frozen BatchNorm inside a training model
+        with torch.no_grad():
+            (out,) = _run_stages(captured, [image], bounds)
+            torch.testing.assert_close(out, twin(image), msg=mode)
+        for (name, a), b in zip(net.named_buffers(), twin.buffers(), strict=True):
+            torch.testing.assert_close(a, b, msg=f"{mode}: {name}")  # running stats and batch counts moved alike
