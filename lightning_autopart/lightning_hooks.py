@@ -17,12 +17,14 @@ from lightning_autopart.errors import ConfigError
 __all__ = [
     "ForwardCall",
     "LogRecord",
+    "batch_range",
     "batch_size_of",
     "capture_logs",
     "find_forward",
     "flat_inputs",
     "merge_logs",
     "replaced_forward",
+    "sample_range",
     "slice_batch",
 ]
 
@@ -81,8 +83,9 @@ def find_forward(root: nn.Module, step: Callable[[], Any], only: str | None = No
     )
 
 
-def flat_inputs(module: nn.Module, call: ForwardCall) -> tuple[Any, ...]:
-    """The call's inputs as the captured model's flat input tuple (positional args, then kwargs in order)."""
+def flat_inputs(module: nn.Module, call: ForwardCall) -> tuple[list[Any], tuple[Any, ...]]:
+    """The call's inputs flattened as capture flattens them (positional args, then kwargs in the forward's
+    order): all leaves, and the tensors alone (the captured model's inputs)."""
     kwargs: list[Any] = []
     if call.kwargs:
         order = list(inspect.signature(module.forward).parameters)
@@ -90,7 +93,20 @@ def flat_inputs(module: nn.Module, call: ForwardCall) -> tuple[Any, ...]:
             call.kwargs[k] for k in sorted(call.kwargs, key=lambda k: order.index(k) if k in order else 0)
         ]
     leaves, _ = tree_flatten((call.args, kwargs))
-    return tuple(leaves)
+    return leaves, tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def sample_range(index: torch.Tensor) -> tuple[int, int]:
+    """The samples ``lo:hi`` a micro-batch's slice of a ``batch_range`` tensor covers, read from its metadata
+    (offset and length), so no value is read and nothing waits for a device."""
+    lo = int(index.storage_offset())
+    return lo, lo + int(index.shape[0])
+
+
+def batch_range(size: int) -> torch.Tensor:
+    """A stand-in target of ``size`` samples that costs no memory: slicing it says which samples a slice holds
+    (see :func:`sample_range`)."""
+    return torch.empty(size, device="meta")
 
 
 def batch_size_of(batch: Any) -> int:
@@ -122,7 +138,7 @@ def replaced_forward(module: nn.Module, output: Any) -> Iterator[None]:
 
 @dataclass
 class LogRecord:
-    """One ``self.log`` call: name, value (float or tensor on CPU) and keyword arguments."""
+    """One ``self.log`` call: name, value (a number, or a detached tensor where it was computed) and options."""
 
     name: str
     value: Any
@@ -137,7 +153,7 @@ def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         kwargs.update(zip(names, args, strict=False))
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
+            value = value.detach()  # stays on its device: reading it would wait for the device
         elif not isinstance(value, (int, float)):
             raise ConfigError(
                 f"self.log({name!r}, <{type(value).__name__}>): autopart replays logged values on every stage, "
@@ -150,16 +166,25 @@ def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
 
 
 def merge_logs(records: list[LogRecord]) -> list[LogRecord]:
-    """One record per name: the mean of its micro-batch values (equal micro-batches), last call's options."""
+    """One record per name: the mean of its micro-batch values (equal micro-batches), last call's options.
+
+    Tensors are averaged on their device; nothing is read back to the host.
+    """
     merged: dict[str, list[LogRecord]] = {}
     for r in records:
         merged.setdefault(r.name, []).append(r)
     out = []
     for name, recs in merged.items():
-        values = [torch.as_tensor(r.value, dtype=torch.float64) for r in recs]
-        mean = torch.stack(values).mean()
         last = recs[-1].value
-        value: Any = mean.to(last.dtype) if isinstance(last, torch.Tensor) else float(mean)
+        if len(recs) == 1:
+            out.append(recs[0])
+            continue
+        value: Any
+        if isinstance(last, torch.Tensor):
+            values = [torch.as_tensor(r.value, dtype=torch.float64, device=last.device) for r in recs]
+            value = torch.stack(values).mean(0).to(last.dtype)
+        else:
+            value = sum(float(r.value) for r in recs) / len(recs)
         out.append(LogRecord(name, value, recs[-1].kwargs))
     return out
 

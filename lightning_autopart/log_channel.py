@@ -1,13 +1,15 @@
-"""Carries the last stage's loss and logged values to the other stages of its pipeline, as one small tensor.
+"""Carries the last stage's loss and logged values to the other stages of its pipeline, without a host sync.
 
 [Note: log channel] Only the last stage runs the user's loss and ``self.log`` calls, but every rank must log
 the same values (the progress bar and loggers live on rank 0, ``sync_dist`` is a collective of all ranks).
-The values of a step are packed into a float64 tensor and broadcast from the last stage over a gloo group of
-the pipeline's ranks. Their layout (names, options, shapes, dtypes) rarely changes, so every member keeps
-the last layout per step kind: the sender broadcasts ``[same layout?, loss, values...]`` *asynchronously*
-and goes on with its optimizer step (it waits for that message only before the next one), while receivers
-find the message already there when their own schedule ends. When the layout changes (the first step, a
-new ``self.log`` name), the flag says so and a pickled broadcast of the records follows.
+Logged tensors stay on the device: they are packed into one device tensor (``[loss, values...]``, float64)
+broadcast from the last stage over a group of the pipeline's ranks on the device's backend, while Python
+numbers and the layout flag travel in a small CPU message over gloo, read on the host without touching a
+device. On a CPU device both parts are one gloo message. Every member keeps the last layout (names, options,
+shapes, dtypes) per step kind, so the sender broadcasts *asynchronously* and goes on with its optimizer step
+(it waits for that message only before the next one), and receivers post their receive before their own
+schedule runs and find the message there when it ends. When the layout changes (the first step, a new
+``self.log`` name), the flag says so and a pickled broadcast of the records (tensors copied to the CPU) follows.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ __all__ = ["LogChannel", "open_log_channel"]
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where one record's value sits in the packed tensor, and how to rebuild it."""
+    """Where one record's value sits in the packed messages, and how to rebuild it."""
 
     name: str
-    kind: str  # "tensor", "int" or "float"
+    kind: str  # "tensor" (device part), "int" or "float" (host part)
     dtype: torch.dtype | None
     shape: tuple[int, ...]
     kwargs: tuple[tuple[str, Any], ...]
@@ -52,101 +54,158 @@ def _slots(records: list[LogRecord]) -> list[_Slot]:
     return out
 
 
-class LogChannel:
-    """One pipeline's channel from its last stage (``src``) to its other ranks; every member calls ``share``."""
+def _widths(layout: list[_Slot]) -> tuple[int, int]:
+    """Sizes of the host part (flag, numbers) and of the device part (loss, tensors) of a message."""
+    host = 1 + sum(1 for s in layout if s.kind != "tensor")
+    return host, 1 + sum(s.numel for s in layout if s.kind == "tensor")
 
-    def __init__(self, group: dist.ProcessGroup | None, src: int, rank: int) -> None:
+
+class LogChannel:
+    """One pipeline's channel from its last stage (``src``) to its other ranks; every member calls ``share``.
+
+    Args:
+        group: The gloo group of the pipeline's ranks (None: a 1-stage pipeline, nothing to send).
+        src: Global rank of the last stage.
+        rank: This rank.
+        device: Where logged tensors live.
+        device_group: A group of the same ranks on the device's backend, for the device part (None on CPU:
+            the device part travels in the gloo message).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        src: int,
+        rank: int,
+        device: torch.device | None = None,
+        device_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.group = group
         self.src = src
         self.is_src = rank == src
+        self.device = device or torch.device("cpu")
+        self.device_group = device_group
         self._layouts: dict[str, list[_Slot]] = {}
-        self._inflight: tuple[Any, torch.Tensor] | None = None
-        self._posted: tuple[str, Any, torch.Tensor] | None = None
+        self._inflight: tuple[list[Any], tuple[torch.Tensor, ...]] = ([], ())
+        self._posted: tuple[str, list[Any], torch.Tensor, torch.Tensor] | None = None
+
+    def _buffers(self, layout: list[_Slot]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zeroed buffers for a message of ``layout``: (what gloo sends, its host part, the device part)."""
+        host, values = _widths(layout)
+        if self.device_group is None:  # a CPU device: one gloo message holds both parts
+            whole = torch.zeros(host + values, dtype=torch.float64)
+            return whole, whole[:host], whole[host:]
+        flags = torch.zeros(host, dtype=torch.float64)
+        return flags, flags, torch.zeros(values, dtype=torch.float64, device=self.device)
+
+    def _broadcast(self, whole: torch.Tensor, values: torch.Tensor) -> list[Any]:
+        works = [dist.broadcast(whole, self.src, group=self.group, async_op=True)]
+        if self.device_group is not None:
+            works.append(dist.broadcast(values, self.src, group=self.device_group, async_op=True))
+        return works
 
     def expect(self, kind: str) -> None:
         """On a receiver, post the receive of the next ``kind`` step's message now, before the step's schedule
         runs, so its latency hides behind the schedule; ``share`` then only waits. Senders ignore it."""
         if self.group is None or self.is_src or self._posted is not None:
             return
-        message = torch.empty(2 + sum(s.numel for s in self._layouts.get(kind, [])), dtype=torch.float64)
-        self._posted = (kind, dist.broadcast(message, self.src, group=self.group, async_op=True), message)
+        whole, host, values = self._buffers(self._layouts.get(kind, []))
+        self._posted = (kind, self._broadcast(whole, values), host, values)
 
-    def share(self, kind: str, loss: float | None, records: list[LogRecord]) -> tuple[float, list[LogRecord]]:
+    def share(
+        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord]
+    ) -> tuple[torch.Tensor, list[LogRecord]]:
         """The sender's ``(loss, records)`` on every member (``kind`` names the step, e.g. "training_step")."""
         if self.group is None:
-            return (math.nan if loss is None else loss), records
+            return (torch.tensor(math.nan, device=self.device) if loss is None else loss), records
         if self.is_src:
-            layout = self._layouts.get(kind, [])
-            width = 2 + sum(s.numel for s in layout)
-            return self._send(kind, layout, width, loss, records)
+            return self._send(kind, loss, records)
         self.expect(kind)
-        assert self._posted is not None and self._posted[0] == kind, (
-            "expect() was called for another step kind"
-        )
-        _, work, message = self._posted
+        assert self._posted is not None and self._posted[0] == kind, "expect() was called for another step kind"
+        _, works, host, values = self._posted
         self._posted = None
-        work.wait()
-        if message[0].item() == 1.0:
-            return float(message[1]), _unpack(self._layouts.get(kind, []), message[2:])
+        for work in works:
+            work.wait()
+        flags = host.numpy()  # host memory: read without a device sync
+        if flags[0] == 1.0:
+            return values[0], _unpack(self._layouts.get(kind, []), flags[1:], values[1:])
         box: list[Any] = [None]
         dist.broadcast_object_list(box, self.src, group=self.group)
-        self._layouts[kind] = _slots(box[0])
-        return float(message[1]), list(box[0])
+        received: list[LogRecord] = box[0]
+        self._layouts[kind] = _slots(received)
+        for r in received:
+            if isinstance(r.value, torch.Tensor):
+                r.value = r.value.to(self.device)
+        return values[0], received
 
     def _send(
-        self, kind: str, layout: list[_Slot], width: int, loss: float | None, records: list[LogRecord]
-    ) -> tuple[float, list[LogRecord]]:
+        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord]
+    ) -> tuple[torch.Tensor, list[LogRecord]]:
         self.wait()
-        value = math.nan if loss is None else float(loss)
+        layout = self._layouts.get(kind, [])
         slots = _slots(records)
         same = slots == layout
-        message = torch.zeros(width, dtype=torch.float64)
-        message[0], message[1] = float(same), value
-        if same and width > 2:
-            message[2:] = torch.cat(
-                [torch.as_tensor(r.value, dtype=torch.float64).reshape(-1) for r in records]
-            )
-        work = dist.broadcast(message, self.src, group=self.group, async_op=True)
+        whole, host, values = self._buffers(layout)
+        host[0] = float(same)
+        value = torch.tensor(math.nan, device=self.device) if loss is None else loss.detach()
+        values[0] = value
         if same:
-            self._inflight = (work, message)
+            numbers = [float(r.value) for r in records if not isinstance(r.value, torch.Tensor)]
+            if numbers:
+                host[1:] = torch.tensor(numbers, dtype=torch.float64)
+            tensors = [r.value.reshape(-1) for r in records if isinstance(r.value, torch.Tensor)]
+            if tensors:
+                values[1:] = torch.cat([t.to(device=values.device, dtype=torch.float64) for t in tensors])
+        works = self._broadcast(whole, values)
+        if same:
+            self._inflight = (works, (whole, values))  # the buffers stay alive until sent
         else:
-            dist.broadcast_object_list([records], self.src, group=self.group)
+            portable = [  # on the CPU: the receivers may have other device indices
+                LogRecord(r.name, r.value.detach().cpu() if isinstance(r.value, torch.Tensor) else r.value, r.kwargs)
+                for r in records
+            ]
+            dist.broadcast_object_list([portable], self.src, group=self.group)
             self._layouts[kind] = slots
-            work.wait()
+            for work in works:
+                work.wait()
         return value, records
 
     def wait(self) -> None:
         """Wait until the last asynchronous message has left (before the next one, and at teardown)."""
-        if self._inflight is not None:
-            self._inflight[0].wait()
-            self._inflight = None
+        for work in self._inflight[0]:
+            work.wait()
+        self._inflight = ([], ())
 
 
-def _unpack(layout: list[_Slot], values: torch.Tensor) -> list[LogRecord]:
+def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[LogRecord]:
     out = []
-    offset = 0
+    host = device = 0
     for slot in layout:
-        chunk = values[offset : offset + slot.numel]
-        offset += slot.numel
         value: Any
         if slot.kind == "tensor":
             assert slot.dtype is not None
-            value = chunk.reshape(slot.shape).to(slot.dtype)
+            value = values[device : device + slot.numel].reshape(slot.shape).to(slot.dtype)
+            device += slot.numel
         else:
-            value = int(chunk[0]) if slot.kind == "int" else float(chunk[0])
+            number = float(numbers[host])
+            value = int(number) if slot.kind == "int" else number
+            host += 1
         out.append(LogRecord(slot.name, value, dict(slot.kwargs)))
     return out
 
 
-def open_log_channel(plan: Plan, rank: int) -> LogChannel:
-    """This rank's channel; creates one gloo group per multi-stage pipeline, so every rank must call it together."""
-    mine: dist.ProcessGroup | None = None
+def open_log_channel(plan: Plan, rank: int, device: torch.device | None = None) -> LogChannel:
+    """This rank's channel; creates the groups of every multi-stage pipeline (a gloo group, and one on the device's
+    backend for a non-CPU device), so every rank must call it together."""
+    device = device or torch.device("cpu")
+    mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
     src = rank
     for replica in range(plan.replicas):
         ranks = sorted(pipeline_ranks(plan, replica))
         if len(ranks) < 2:
             continue
-        group = dist.new_group(ranks, backend="gloo")
+        host = dist.new_group(ranks, backend="gloo")
+        values = dist.new_group(ranks) if device.type != "cpu" else None
         if rank in ranks:
-            mine, src = group, plan.stages[-1].ranks[replica]
-    return LogChannel(mine, src, rank)
+            mine, src = (host, values), plan.stages[-1].ranks[replica]
+    return LogChannel(mine[0], src, rank, device, mine[1])

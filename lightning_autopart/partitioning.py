@@ -14,19 +14,19 @@ from torch import nn
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import AutopartError, ConfigError, PlanError
+from lightning_autopart.graph import CapturedModel
 from lightning_autopart.lightning_hooks import ForwardCall, slice_batch
 from lightning_autopart.plan import Plan, check_compatible, load_plan
-from lightning_autopart.stage_grads import keep_contiguous
-from lightning_autopart.stages import build_stage_module, tied_groups
+from lightning_autopart.runtime import move_in_place
+from lightning_autopart.stages import tied_groups
 from lightning_autopart.topology import place
 
 __all__ = [
     "PlanSettings",
-    "build_local_stages",
+    "capture_for_plan",
     "choose_micro_batches",
     "gather_state_dict",
     "keep_local",
-    "move_in_place",
     "optimizer_kind",
     "plan_for_batch",
 ]
@@ -120,14 +120,15 @@ def plan_for_batch(
     return plan
 
 
-def build_local_stages(
+def capture_for_plan(
     plan: Plan, root: nn.Module, call: ForwardCall, local_batch: int, rank: int
-) -> tuple[dict[int, nn.Module], list[tuple[str, tuple[int, ...]]], set[int], set[int]]:
-    """This rank's stage modules, built from a capture at the plan's micro-batch size (shapes are baked in).
+) -> tuple[CapturedModel, list[tuple[str, tuple[int, ...]]], set[int], set[int]]:
+    """The model captured at the plan's micro-batch size (the runtime builds this rank's stages from it: export
+    bakes the batch size into reshapes).
 
-    Returns the modules by stage index, the tied parameters (FQN, stages), the ids of the tied parameters
-    whose gradient another rank counts in the global norm (a tie counts on its first stage), and the ids
-    of every parameter some block of the model uses.
+    Returns the capture, the tied parameters (FQN, stages), the ids of the tied parameters whose gradient another
+    rank counts in the global norm (a tie counts on its first stage), and the ids of every parameter some block
+    of the model uses.
     """
     from lightning_autopart.capture import capture
 
@@ -141,13 +142,9 @@ def build_local_stages(
         )
     tied = tied_groups(plan, captured)
     mine = place(plan, rank).stages
-    modules = {
-        s: keep_contiguous(build_stage_module(captured, plan.stages[s].block_start, plan.stages[s].block_end))
-        for s in mine
-    }
     elsewhere = {id(captured.module.get_parameter(fqn)) for fqn, stages in tied if min(stages) not in mine}
     in_blocks = {id(root.get_parameter(fqn)) for block in captured.blocks for fqn in block.params}
-    return modules, tied, elsewhere, in_blocks
+    return captured, tied, elsewhere, in_blocks
 
 
 def keep_local(
@@ -184,22 +181,6 @@ def keep_local(
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     move_in_place(module, device)
     return params
-
-
-def move_in_place(module: nn.Module, device: torch.device) -> None:
-    """Move every parameter, gradient and buffer of ``module`` to ``device`` keeping each tensor object.
-
-    ``Module.to`` replaces buffers by new tensors, which would part the stage modules (built over the same
-    tensors) from the LightningModule; setting ``.data`` keeps them one tensor.
-    """
-    for p in module.parameters():
-        if p.device != device:
-            p.data = p.data.to(device)
-            if p.grad is not None:
-                p.grad = p.grad.to(device)
-    for b in module.buffers():
-        if b.device != device:
-            b.data = b.data.to(device)
 
 
 def _make_plan(

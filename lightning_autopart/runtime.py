@@ -7,10 +7,10 @@ averages gradients over the replicas of each stage, which gives the gradient of 
 as a single process would compute it. A tied parameter (held by several stages) is summed over the stages that
 hold a copy and averaged over replicas, in one all-reduce over all its holders.
 
-[Note: fixed shapes] torch.distributed.pipelining infers the shapes sent between stages from the first
-micro-batch and keeps them: every step must bring exactly ``plan.batch_size / replicas`` samples per replica,
-split evenly into ``plan.micro_batches`` micro-batches (the plan guarantees divisibility). Another batch
-size raises :class:`~lightning_autopart.errors.ConfigError` before any communication starts.
+[Note: fixed shapes] Every step must bring exactly ``plan.batch_size / replicas`` samples per replica, split
+evenly into ``plan.micro_batches`` micro-batches (the plan guarantees divisibility): the stages are captured at
+the micro-batch size and the shapes sent between them are fixed. Another batch size raises
+:class:`~lightning_autopart.errors.ConfigError` before any communication starts.
 
 [Note: one stage] A 1-stage plan (pure data parallelism) runs each micro-batch's forward, loss and backward
 directly, in order, with the same slicing and loss scaling as the schedules: torch.distributed.pipelining would
@@ -22,6 +22,10 @@ gradient (into the bucket views); the next ``sync=True`` step all-reduces the bu
 window's whole local sum, and a tied parameter's total is summed over its holders once, at the end. So an
 accumulation window of k steps costs one all-reduce of the stage's gradients, not k. Zero the gradients after
 each optimizer step, as usual (``set_to_none`` or not: views are re-attached or kept).
+
+[Note: lazy schedules] A schedule is built at its first use, inside the caller's context (autocast for mixed
+precision), once :func:`~lightning_autopart.wire.infer_wire_metadata` has found the dtypes its stages send;
+every rank of a pipeline reaches its first training (and first evaluation) step together.
 """
 
 from __future__ import annotations
@@ -38,17 +42,21 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from lightning_autopart.buckets import GradBucket, all_reduce_mean, make_buckets
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import CapturedModel
+from lightning_autopart.graph import CapturedModel, OutputSpec
 from lightning_autopart.plan import Plan
-from lightning_autopart.stages import build_stage_module, tied_groups
+from lightning_autopart.stage_grads import keep_contiguous
+from lightning_autopart.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
 from lightning_autopart.topology import build_groups, place, tied_ranks
+from lightning_autopart.wire import WireStage, infer_wire_metadata, touch
 
-__all__ = ["PipelineRunner"]
+__all__ = ["LossFn", "PipelineRunner", "move_in_place"]
 
+#: ``loss_fn(output, target)``: the loss of one micro-batch; ``output`` is the model's output, as its forward
+#: returns it (a tensor, a tuple, a dict, a ``ModelOutput``...), ``target`` that micro-batch's slice of the target.
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -57,15 +65,15 @@ class PipelineRunner:
 
     Args:
         plan: The plan; every rank must build its runner with the same plan.
-        model: The captured model (stage modules are built for this rank's stages), or this rank's stage
-            modules by stage index.
+        captured: The model captured at the plan's micro-batch size; this rank's stage modules are built from
+            it (they hold the user's own parameters) and moved to ``device`` in place.
         rank: This process's global rank.
         device: The device of the stage modules.
-        loss_fn: ``loss_fn(output, target)`` on one micro-batch (a mean over its samples); ``output`` is the
-            model's output tensor, or the tuple of its outputs when there are several.
+        loss_fn: The training loss of one micro-batch (see :data:`LossFn`), a mean over its samples; it may also
+            be set later, as the attribute ``loss_fn``.
 
     Keyword Args:
-        tied: Tied parameters as (FQN, stage indices); derived from ``model`` when it is a CapturedModel.
+        tied: Tied parameters as (FQN, stage indices); derived from ``captured`` when None.
         groups: Process groups from :func:`~lightning_autopart.topology.build_groups`; when None they are
             created here, so every rank must then construct its runner at the same point.
     """
@@ -73,10 +81,10 @@ class PipelineRunner:
     def __init__(
         self,
         plan: Plan,
-        model: CapturedModel | Mapping[int, nn.Module],
+        captured: CapturedModel,
         rank: int,
         device: torch.device | str,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
         tied: Sequence[tuple[str, Sequence[int]]] | None = None,
         groups: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
@@ -84,22 +92,24 @@ class PipelineRunner:
         self.plan = plan
         self.placement = place(plan, rank)
         self.device = torch.device(device)
-        captured = model if isinstance(model, CapturedModel) else None
         if tied is None:
-            tied = tied_groups(plan, captured) if captured is not None else []
+            tied = tied_groups(plan, captured)
         if groups is None:
             groups = build_groups(plan, tied, self.device.type)
-        #: This rank's stage modules by stage index.
+        #: How the model's output is rebuilt from the last stage's tensors.
+        self.output: OutputSpec = captured.output
+        #: This rank's stage modules by stage index (the user's parameters under their original names).
         self.modules: dict[int, nn.Module] = {}
+        self._wire: dict[int, WireStage] = {}
+        last = plan.num_stages - 1
         for s in self.placement.stages:
             stage = plan.stages[s]
-            if captured is not None:
-                module = build_stage_module(captured, stage.block_start, stage.block_end)
-            elif isinstance(model, Mapping) and s in model:
-                module = model[s]
-            else:
-                raise ConfigError(f"rank {rank} holds stage {s} but no module was given for it")
-            self.modules[s] = module.to(self.device)
+            module = keep_contiguous(build_stage_module(captured, stage.block_start, stage.block_end))
+            move_in_place(module, self.device)
+            self.modules[s] = module
+            received = None if s == 0 else stage_inputs(captured, stage.block_start)
+            sent = None if s == last else stage_outputs(captured, stage.block_end)
+            self._wire[s] = WireStage(module, received, sent)
         self._pp_group = groups[tuple(sorted(self.placement.pp_ranks))]
         self._dp_group = groups.get(self.placement.dp_ranks)
         self._tied = self._tied_params(tied, captured, groups)
@@ -109,14 +119,15 @@ class PipelineRunner:
             for p in dict.fromkeys(p for m in self.modules.values() for p in m.parameters())
             if p.requires_grad and id(p) not in tied_ids
         ]
-        self._loss_fn = loss_fn
+        #: The training loss of one micro-batch (see :data:`LossFn`).
+        self.loss_fn = loss_fn
+        self._each: Callable[[Any, torch.Tensor], None] | None = None
+        self._scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._reported: list[torch.Tensor] = []  # this step's unscaled micro-batch losses
         self._buckets: list[GradBucket] = []
         if plan.replicas > 1 and self._dp_group is not None:
             self._buckets = make_buckets(self._params, plan.micro_batches, self._dp_group)
-        # A 1-stage plan has nothing to pipeline: its micro-batches run directly (see [Note: one stage]).
-        direct = plan.num_stages == 1
-        self._train = None if direct else self._schedule(with_loss=True)
-        self._eval = None if direct else self._schedule(with_loss=False)
+        self._schedules: dict[str, Any] = {}
 
     @property
     def is_first(self) -> bool:
@@ -134,33 +145,46 @@ class PipelineRunner:
         return self.plan.batch_size // self.plan.replicas
 
     def step(
-        self, inputs: Any = None, target: torch.Tensor | None = None, *, sync: bool = True
+        self,
+        inputs: Any = None,
+        target: torch.Tensor | None = None,
+        *,
+        sync: bool = True,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one step on this replica's shard; gradients add to ``.grad`` as autograd's do
         (see [Note: gradient semantics]).
 
         Args:
-            inputs: The model's inputs (a Tensor or a tuple of them), first stage only; others pass None.
-            target: The loss target, last stage only.
+            inputs: The model's tensor inputs (a Tensor or a sequence of them, in ``CapturedModel.inputs``
+                order), first stage only; others pass None.
+            target: The loss target (any tensor whose dim 0 is the batch), last stage only.
             sync: Whether to all-reduce the gradients among the replicas after this step (see
                 [Note: accumulation]); pass False on every step of an accumulation window but the last.
+            scale: Applied to each micro-batch's loss before its backward only (a gradient scaler's
+                ``scale``); the returned loss is unscaled.
 
         Returns:
-            On the last stage the mean of the micro-batch losses (detached); elsewhere None.
+            On the last stage the mean of the micro-batch losses (detached, on the device); elsewhere None.
         """
-        if self.is_last and target is None:
-            raise ConfigError(f"rank {self.placement.rank} holds the last stage: step needs the target")
+        if self.is_last and (target is None or self.loss_fn is None):
+            raise ConfigError(
+                f"rank {self.placement.rank} holds the last stage: step needs the target and a loss_fn"
+            )
         args = self._check(inputs, target)
-        losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         for bucket in self._buckets:
             bucket.attach(active=sync)
+        self._scale = scale
+        self._reported = []
         try:
-            if self._train is None:
-                self._run_direct(args, target, losses)
+            if self.plan.num_stages == 1:
+                self._run_direct(args, target)
             else:
-                self._train.step(*args, **kwargs)
+                kwargs: dict[str, Any] = {"target": target, "losses": []} if self.is_last else {}
+                self._schedule("train", args).step(*args, return_outputs=False, **kwargs)
         finally:
+            self._scale = None
+            losses, self._reported = self._reported, []
             for bucket in self._buckets:
                 bucket.active = False
         for bucket in self._buckets:
@@ -168,47 +192,80 @@ class PipelineRunner:
         if sync:
             self._reduce_tied()
         # Each micro-batch's loss was divided by the micro-batches: their sum is the mean loss.
-        return torch.stack([loss.detach() for loss in losses]).sum() if self.is_last else None
+        return torch.stack(losses).sum() if self.is_last else None
 
     @torch.no_grad()
-    def eval_step(self, inputs: Any = None) -> Any:
-        """Forward only; returns the model's output on the last stage (merged over micro-batches), else None."""
-        args = self._check(inputs, None)
-        if self._eval is None:
-            return _unwrap(_merge([self.modules[0](*chunk) for chunk in self._chunks(args)]))
-        with torch.enable_grad():  # pipelining refuses to run under no_grad; its eval builds no graph
-            output = self._eval.eval(*args)
-        return _unwrap(output) if self.is_last else None
+    def eval_step(
+        self,
+        inputs: Any = None,
+        target: torch.Tensor | None = None,
+        each: Callable[[Any, torch.Tensor], None] | None = None,
+    ) -> Any:
+        """Forward only. On the last stage, ``each(output, target_slice)`` is called for every micro-batch in
+        order (``target`` defaults to the sample indices); without ``each``, the outputs are returned merged along
+        dim 0. Returns None on other stages, and when ``each`` is given."""
+        args = self._check(inputs, target)
+        if target is None:
+            target = torch.arange(self.local_batch_size, device=self.device)
+        outputs: list[Any] = []
+        self._each = each if each is not None else lambda output, _: outputs.append(output)
+        try:
+            if self.plan.num_stages == 1:
+                for chunk, target_chunk in zip(self._chunks(args), self._split(target), strict=True):
+                    self._each(self._rebuild(self._wire[0](*chunk)), target_chunk)
+            else:
+                kwargs = {"target": target, "losses": []} if self.is_last else {}
+                self._schedule("eval", args).eval(*args, **kwargs)
+        finally:
+            self._each = None
+        if each is not None or not self.is_last:
+            return None
+        return _merge(outputs)
 
-    def _chunks(self, tensors: Sequence[Any]) -> list[tuple[Any, ...]]:
-        """The micro-batches of ``tensors``: dim-0 slices as pipelining makes them; non-tensors repeated."""
-        n = self.plan.micro_batches
-        split = [torch.tensor_split(t, n) if isinstance(t, torch.Tensor) else [t] * n for t in tensors]
+    def _rebuild(self, outputs: tuple[torch.Tensor, ...]) -> Any:
+        return self.output.rebuild(outputs)
+
+    def _split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.tensor_split(tensor, self.plan.micro_batches))
+
+    def _chunks(self, tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        """The micro-batches of ``tensors``: dim-0 slices, as pipelining makes them."""
+        split = [self._split(t) for t in tensors]
         return list(zip(*split, strict=True))
 
-    def _run_direct(
-        self, args: tuple[Any, ...], target: torch.Tensor | None, losses: list[torch.Tensor]
-    ) -> None:
+    def _run_direct(self, args: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> None:
         """A 1-stage step: forward, loss and backward of each micro-batch in turn, as the schedule would."""
         assert target is not None  # the only stage is the last: step() checked it
-        module = self.modules[0]
-        for chunk, target_chunk in zip(
-            self._chunks(args), torch.tensor_split(target, self.plan.micro_batches), strict=True
-        ):
-            loss = self._loss(module(*chunk), target_chunk)
-            loss.backward()
-            losses.append(loss)
+        stage = self._wire[0]
+        for chunk, target_chunk in zip(self._chunks(args), self._split(target), strict=True):
+            self._train_loss(stage(*chunk), target_chunk).backward()
 
-    def _check(self, inputs: Any, target: torch.Tensor | None) -> tuple[Any, ...]:
-        """The first stage's positional inputs, after checking that batch sizes match the plan."""
+    def _train_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the user's loss / micro-batches, reported unscaled, then scaled."""
+        assert self.loss_fn is not None  # step() checked it
+        loss = self.loss_fn(self._rebuild(output), target) / self.plan.micro_batches
+        self._reported.append(loss.detach())
+        if self._scale is not None:
+            loss = self._scale(loss)
+        return touch(loss, self._wire[self.plan.num_stages - 1].untouched)
+
+    def _eval_hook(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """The eval schedule's "loss": hands each micro-batch's output to ``each``."""
+        assert self._each is not None
+        self._each(self._rebuild(output), target)
+        return torch.zeros((), device=self.device)
+
+    def _check(self, inputs: Any, target: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The first stage's inputs (contiguous), after checking that batch sizes match the plan."""
         expected = self.local_batch_size
         checks: list[tuple[str, Any]] = []
-        args: tuple[Any, ...] = ()
+        args: tuple[torch.Tensor, ...] = ()
         if self.is_first:
             if inputs is None:
                 raise ConfigError(f"rank {self.placement.rank} holds the first stage: step needs the inputs")
             args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             checks += [(f"input {i}", t) for i, t in enumerate(tree_leaves(args))]
+            args = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in args)
         if self.is_last and target is not None:
             checks.append(("target", target))
         for what, t in checks:
@@ -222,33 +279,50 @@ class PipelineRunner:
                 )
         return args
 
-    def _schedule(self, with_loss: bool) -> Any:
-        """The plan's schedule over this rank's stages (a fresh PipelineStage per schedule)."""
+    def _schedule(self, kind: str, args: tuple[torch.Tensor, ...]) -> Any:
+        """The plan's ``kind`` ("train" or "eval") schedule over this rank's stages, built at first use (see
+        [Note: lazy schedules])."""
+        if kind in self._schedules:
+            return self._schedules[kind]
+        first = self._chunks(args)[0] if self.is_first else None
+        ranks = {s.index: s.ranks[self.placement.replica] for s in self.plan.stages}
+        metas = infer_wire_metadata(
+            self._wire, self.plan.num_stages, first, self.device, self._pp_group, ranks
+        )
         stages: list[Any] = [
-            PipelineStage(self.modules[s], s, self.plan.num_stages, self.device, group=self._pp_group)
+            PipelineStage(
+                self._wire[s],
+                s,
+                self.plan.num_stages,
+                self.device,
+                input_args=metas[s].inputs,
+                output_args=metas[s].outputs,
+                group=self._pp_group,
+            )
             for s in self.placement.stages
         ]
+        loss = self._train_loss if kind == "train" else self._eval_hook
         # The loss is scaled by 1 / micro-batches before backward; see [Note: gradient semantics].
-        options: dict[str, Any] = {"loss_fn": self._loss if with_loss else None, "scale_grads": False}
+        options: dict[str, Any] = {"loss_fn": loss, "scale_grads": False}
         n = self.plan.micro_batches
         name = self.plan.schedule
         if name == "Interleaved1F1B":
-            return ScheduleInterleaved1F1B(stages, n, **options)
-        if len(stages) != 1:
+            schedule: Any = ScheduleInterleaved1F1B(stages, n, **options)
+        elif len(stages) != 1:
             raise ConfigError(f"schedule {name} runs one stage per rank; rank holds {len(stages)}")
-        if name == "1F1B" and n >= self.plan.num_stages:
-            return Schedule1F1B(stages[0], n, **options)
-        if name not in ("GPipe", "1F1B"):
+        elif name == "1F1B" and n >= self.plan.num_stages:
+            schedule = Schedule1F1B(stages[0], n, **options)
+        elif name in ("GPipe", "1F1B"):
+            schedule = ScheduleGPipe(stages[0], n, **options)
+        else:
             raise ConfigError(f"unknown schedule {name!r}; use GPipe, 1F1B or Interleaved1F1B")
-        return ScheduleGPipe(stages[0], n, **options)
-
-    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(_unwrap(output), target) / self.plan.micro_batches
+        self._schedules[kind] = schedule
+        return schedule
 
     def _tied_params(
         self,
         tied: Sequence[tuple[str, Sequence[int]]],
-        captured: CapturedModel | None,
+        captured: CapturedModel,
         groups: Mapping[tuple[int, ...], dist.ProcessGroup],
     ) -> list[tuple[nn.Parameter, dist.ProcessGroup | None]]:
         """This rank's tied parameters, each with the group its gradient is summed over."""
@@ -256,13 +330,7 @@ class PipelineRunner:
         for fqn, stages in tied:
             if not set(stages) & set(self.placement.stages):
                 continue
-            if captured is not None:
-                param = captured.module.get_parameter(fqn)
-            else:
-                named = {n: p for m in self.modules.values() for n, p in m.named_parameters()}
-                if fqn not in named:
-                    raise ConfigError(f"tied parameter {fqn!r} is in no stage module of this rank")
-                param = named[fqn]
+            param = captured.module.get_parameter(fqn)
             ranks = tied_ranks(self.plan, stages)
             out.append((param, groups[ranks] if len(ranks) > 1 else None))
         return out
@@ -275,12 +343,27 @@ class PipelineRunner:
 
 
 def _merge(outputs: list[Any]) -> Any:
-    """Micro-batch outputs (tensors or tuples of them) concatenated along dim 0, as pipelining merges them."""
-    if isinstance(outputs[0], torch.Tensor):
-        return torch.cat(outputs)
-    return tuple(torch.cat(parts) for parts in zip(*outputs, strict=True))
+    """Micro-batch outputs (the model's output structure) with every tensor concatenated along dim 0."""
+    leaves = [tree_flatten(o) for o in outputs]
+    spec = leaves[0][1]
+    merged = [
+        torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
+        for parts in zip(*(flat for flat, _ in leaves), strict=True)
+    ]
+    return tree_unflatten(merged, spec)
 
 
-def _unwrap(output: Any) -> Any:
-    """A one-tensor tuple as its tensor (stage modules return tuples; users' models return tensors)."""
-    return output[0] if isinstance(output, tuple) and len(output) == 1 else output
+def move_in_place(module: nn.Module, device: torch.device) -> None:
+    """Move every parameter, gradient and buffer of ``module`` to ``device`` keeping each tensor object.
+
+    ``Module.to`` replaces buffers by new tensors, which would part the stage modules (built over the same
+    tensors) from the user's model; setting ``.data`` keeps them one tensor.
+    """
+    for p in module.parameters():
+        if p.device != device:
+            p.data = p.data.to(device)
+            if p.grad is not None:
+                p.grad = p.grad.to(device)
+    for b in module.buffers():
+        if b.device != device:
+            b.data = b.data.to(device)

@@ -1,9 +1,11 @@
 """A LightningModule's training, validation and test steps run through this rank's share of the pipeline.
 
 The first stage runs the user's step only up to its first model call, to take the model's inputs; the last
-stage runs the whole step once per micro-batch, with the model's forward returning the pipeline's output, so
-the user's loss code, ``self.log`` calls and metrics run unchanged there. The last stage's loss and logs then
-reach every rank of the pipeline (see [Note: log channel]) and are logged there again.
+stage runs the whole step once per micro-batch, on that micro-batch's slice of the batch, with the model's
+forward returning the pipeline's output (rebuilt in the model's own output structure), so the user's loss
+code, ``self.log`` calls and metrics run unchanged there. The last stage's loss and logs then reach every rank
+of the pipeline (see [Note: log channel]) and are logged there again. Nothing here reads a device value back
+to the host: losses and logged tensors stay tensors until Lightning itself reads them.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning_hooks import (
     LogRecord,
+    batch_range,
     batch_size_of,
     capture_logs,
     find_forward,
     flat_inputs,
     merge_logs,
     replaced_forward,
+    sample_range,
     slice_batch,
 )
 from lightning_autopart.log_channel import LogChannel
@@ -35,17 +40,27 @@ class PipelinedSteps:
     """Runs ``module``'s steps over ``runner``, the submodule ``root_name`` ("" for the module) being pipelined.
 
     ``module`` is a LightningModule (any object with the step methods and ``log``); nothing here imports
-    Lightning.
+    Lightning. ``constant_inputs`` are the non-tensor arguments the model was captured with (see
+    ``CapturedModel.constant_inputs``): a step calling the model with other values is refused.
     """
 
     def __init__(
-        self, module: Any, root_name: str, runner: PipelineRunner, channel: LogChannel, device: torch.device
+        self,
+        module: Any,
+        root_name: str,
+        runner: PipelineRunner,
+        channel: LogChannel,
+        device: torch.device,
+        constant_inputs: tuple[tuple[int, Any], ...] = (),
     ) -> None:
         self.module = module
         self.root_name = root_name
         self.runner = runner
         self.channel = channel
         self.device = device
+        self.constant_inputs = constant_inputs
+        #: Applied to each micro-batch's loss before its backward (a gradient scaler's ``scale``), or None.
+        self.scale: Callable[[Tensor], Tensor] | None = None
 
     def root(self) -> nn.Module:
         """The pipelined module."""
@@ -56,14 +71,12 @@ class PipelinedSteps:
         """One training step; gradients add to ``.grad`` (all-reduced if ``sync``); returns the batch's loss."""
         size = self.check_batch(batch)
         self.channel.expect("training_step")
-        # Logs by micro-batch start: pipelining may run the loss twice on its first step (shape inference).
-        by_micro: dict[int, list[LogRecord]] = {}
+        records: list[LogRecord] = []
         module = self.module
 
         def loss_fn(output: Any, index: Tensor) -> Tensor:
-            lo, hi = int(index[0]), int(index[-1]) + 1
-            by_micro[lo] = []
-            with replaced_forward(self.root(), output), capture_logs(module, by_micro[lo]):
+            lo, hi = sample_range(index)
+            with replaced_forward(self.root(), output), capture_logs(module, records):
                 out = module.training_step(slice_batch(batch, lo, hi, size), batch_idx)
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, Tensor):
@@ -72,32 +85,39 @@ class PipelinedSteps:
                 )
             return loss / accumulate
 
-        self._loss_fn = loss_fn
+        self.runner.loss_fn = loss_fn
         inputs = self.inputs(lambda: module.training_step(batch, batch_idx))
-        target = torch.arange(size, device=self.device) if self.runner.is_last else None
-        loss = self.runner.step(inputs, target, sync=sync)
-        records = merge_logs([r for lo in sorted(by_micro) for r in by_micro[lo]])
-        value = self.replay("training_step", None if loss is None else float(loss) * accumulate, records)
-        return torch.tensor(value, device=self.device)
-
-    def call_loss(self, output: Any, target: Tensor) -> Tensor:
-        """The runner's loss function: the user's step on one micro-batch (``target`` holds its sample indices)."""
-        return self._loss_fn(output, target)
+        target = batch_range(size) if self.runner.is_last else None
+        loss = self.runner.step(inputs, target, sync=sync, scale=self.scale)
+        value, _ = self.replay(
+            "training_step", None if loss is None else loss * accumulate, merge_logs(records)
+        )
+        return value
 
     def evaluate(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        """Forward-only pipeline; the user's ``hook`` runs on the last stage, its logs are replayed on all."""
+        """Forward-only pipeline; the user's ``hook`` runs on the last stage once per micro-batch, on its slice of
+        the batch, its logs merged as in training and replayed on every rank. Returns the step's outputs merged
+        (see :func:`merge_outputs`)."""
         step = getattr(self.module, hook)
-        self.check_batch(args[0] if args else kwargs["batch"])
+        batch = args[0] if args else kwargs["batch"]
+        size = self.check_batch(batch)
         self.channel.expect(hook)
-        inputs = self.inputs(lambda: step(*args, **kwargs))
-        output = self.runner.eval_step(inputs)
         records: list[LogRecord] = []
-        out = None
-        if self.runner.is_last:
+        outputs: list[Any] = []
+
+        def each(output: Any, index: Tensor) -> None:
+            lo, hi = sample_range(index)
+            part = slice_batch(batch, lo, hi, size)
+            sliced = (part, *args[1:]) if args else args
+            options = {**kwargs, "batch": part} if not args else kwargs
             with replaced_forward(self.root(), output), capture_logs(self.module, records):
-                out = step(*args, **kwargs)
+                outputs.append(step(*sliced, **options))
+
+        inputs = self.inputs(lambda: step(*args, **kwargs))
+        target = batch_range(size) if self.runner.is_last else None
+        self.runner.eval_step(inputs, target, each)
         self.replay(hook, None, merge_logs(records))
-        return out
+        return merge_outputs(outputs) if self.runner.is_last else None
 
     def check_batch(self, batch: Any) -> int:
         """The batch's size, which must be the plan's per-replica batch (pipelined shapes are fixed)."""
@@ -112,16 +132,47 @@ class PipelinedSteps:
         return size
 
     def inputs(self, step: Callable[[], Any]) -> tuple[Any, ...] | None:
-        """On the first stage, the inputs the user's step gives the model (the step is stopped there)."""
+        """On the first stage, the tensors the user's step gives the model (the step is stopped there)."""
         if not self.runner.is_first:
             return None
         call = find_forward(self.module, step, only=self.root_name)
-        return flat_inputs(self.root(), call)
+        leaves, tensors = flat_inputs(self.root(), call)
+        for position, captured in self.constant_inputs:
+            given = leaves[position] if position < len(leaves) else None
+            if type(given) is not type(captured) or given != captured:
+                raise ConfigError(
+                    f"the step calls {self.root_name or 'the model'} with {given!r} where it was captured with "
+                    f"{captured!r} (argument {position} of the flattened call); autopart bakes arguments that are "
+                    "not tensors into the pipeline, so pass the same value in every step"
+                )
+        return tensors
 
-    def replay(self, kind: str, loss: float | None, records: list[LogRecord]) -> float:
+    def replay(
+        self, kind: str, loss: Tensor | None, records: list[LogRecord]
+    ) -> tuple[Tensor, list[LogRecord]]:
         """Send the last stage's loss and logs along the pipeline; log them again on every rank."""
         value, logs = self.channel.share(kind, loss, records)
         for record in logs:
-            v = record.value.to(self.device) if isinstance(record.value, Tensor) else record.value
-            self.module.log(record.name, v, **record.kwargs)
-        return value
+            self.module.log(record.name, record.value, **record.kwargs)
+        return value, logs
+
+
+def merge_outputs(outputs: list[Any]) -> Any:
+    """An evaluation step's per-micro-batch returns as one: tensors with a batch dimension concatenated,
+    scalar tensors averaged (a mean over equal micro-batches), anything else taken from the last micro-batch."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [tree_flatten(o) for o in outputs]
+    spec = flat[-1][1]
+    if any(s != spec for _, s in flat):
+        return outputs[-1]
+    merged = []
+    for parts in zip(*(leaves for leaves, _ in flat), strict=True):
+        first = parts[0]
+        if isinstance(first, Tensor) and first.dim() > 0:
+            merged.append(torch.cat(parts))
+        elif isinstance(first, Tensor) and first.is_floating_point():
+            merged.append(torch.stack(parts).mean())
+        else:
+            merged.append(parts[-1])
+    return tree_unflatten(merged, spec)

@@ -35,7 +35,7 @@ from lightning_autopart.lightning_hooks import batch_size_of, find_forward
 from lightning_autopart.log_channel import open_log_channel
 from lightning_autopart.partitioning import (
     PlanSettings,
-    build_local_stages,
+    capture_for_plan,
     gather_state_dict,
     keep_local,
     optimizer_kind,
@@ -267,17 +267,14 @@ class AutoPartitionStrategy(ParallelStrategy):
             device=self.root_device,
         )
         self.plan = plan
-        modules, tied, counted_elsewhere, in_blocks = build_local_stages(
-            plan, root, call, size, self.global_rank
-        )
+        captured, tied, counted_elsewhere, in_blocks = capture_for_plan(plan, root, call, size, self.global_rank)
         self._counted_elsewhere = counted_elsewhere
-        self._params = keep_local(lm, call.name, modules, in_blocks, self.optimizers, self.root_device)
         groups = build_groups(plan, tied, self.root_device.type)
-        channel = open_log_channel(plan, self.global_rank)
-        runner = PipelineRunner(
-            plan, modules, self.global_rank, self.root_device, self._call_loss, tied=tied, groups=groups
-        )
-        self._steps = PipelinedSteps(lm, call.name, runner, channel, self.root_device)
+        runner = PipelineRunner(plan, captured, self.global_rank, self.root_device, tied=tied, groups=groups)
+        self._params = keep_local(lm, call.name, runner.modules, in_blocks, self.optimizers, self.root_device)
+        channel = open_log_channel(plan, self.global_rank, self.root_device)
+        self._steps = PipelinedSteps(lm, call.name, runner, channel, self.root_device, captured.constant_inputs)
+        self._steps.scale = self._loss_scale()
         self._pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
         # Lightning's ModelSummary runs the whole model on example_input_array at on_fit_start, which this rank
         # can no longer do: hide the example until training starts (restored in on_train_start and teardown).
@@ -294,9 +291,25 @@ class AutoPartitionStrategy(ParallelStrategy):
         self._restore_example()
         super().on_train_start()
 
-    def _call_loss(self, output: Any, target: Tensor) -> Tensor:
-        assert self._steps is not None
-        return self._steps.call_loss(output, target)
+    def _loss_scale(self) -> Any:
+        """The precision plugin's gradient scaler (16-mixed), applied to each micro-batch's loss before its backward,
+        with its inf check agreed by every rank, so that all stages skip the same steps."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None:
+            return None
+        unscale = scaler.unscale_
+
+        def agreed_unscale(optimizer: Any) -> None:
+            unscale(optimizer)
+            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            if _distributed_is_initialized() and self.world_size > 1 and found:
+                total = torch.stack([f.reshape(()) for f in found.values()]).amax().reshape(1)
+                dist.all_reduce(total, op=dist.ReduceOp.MAX)
+                for f in found.values():
+                    f.copy_(total.reshape(f.shape).to(f.device))
+
+        scaler.unscale_ = agreed_unscale
+        return scaler.scale
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

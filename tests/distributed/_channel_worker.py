@@ -51,7 +51,7 @@ def main() -> None:
         if i % 2:
             channel.expect(kind)  # receivers may post the receive early (steps do), or not
         if channel.is_src:
-            got.append(channel.share(kind, loss, records))
+            got.append(channel.share(kind, None if loss is None else torch.tensor(loss), records))
         else:
             got.append(channel.share(kind, None, []))
     channel.wait()

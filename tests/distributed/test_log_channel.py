@@ -27,7 +27,8 @@ def test_every_pipeline_rank_receives_its_last_stage_logs(tmp_path: Path) -> Non
         expected = steps(result["replica"])
         assert len(result["got"]) == len(expected)
         for (kind, loss, records), (got_loss, got_records) in zip(expected, result["got"], strict=True):
-            assert math.isnan(got_loss) if loss is None else got_loss == loss, f"rank {rank} {kind}"
+            assert isinstance(got_loss, torch.Tensor) and got_loss.dim() == 0, f"rank {rank} {kind}"
+            assert math.isnan(got_loss) if loss is None else float(got_loss) == loss, f"rank {rank} {kind}"
             assert [(r.name, r.kwargs) for r in got_records] == [(r.name, r.kwargs) for r in records]
             for want, got in zip(records, got_records, strict=True):
                 assert type(got.value) is type(want.value), f"rank {rank}: {want.name}"
@@ -40,6 +41,7 @@ def test_every_pipeline_rank_receives_its_last_stage_logs(tmp_path: Path) -> Non
 def test_a_pipeline_of_one_stage_needs_no_messages() -> None:
     channel = LogChannel(None, 0, 0)
     records = [LogRecord("a", 1.0, {})]
-    assert channel.share("training_step", 0.5, records) == (0.5, records)
-    loss, same = channel.share("training_step", None, records)
-    assert math.isnan(loss) and same is records
+    loss = torch.tensor(0.5)
+    assert channel.share("training_step", loss, records) == (loss, records)
+    nothing, same = channel.share("training_step", None, records)
+    assert math.isnan(nothing) and same is records

@@ -36,6 +36,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "gpt", "stages": 2, "clip": 0.1},
             {"model": "mlp", "stages": 1, "accumulate": 2},
             {"model": "mlp", "stages": 2, "extra_logs": True, "validate": True},
+            {"model": "loss", "stages": 2},
+            {"model": "structured", "stages": 2, "schedule": "1F1B", "validate": True},
         ],
     ),
     ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
@@ -48,6 +50,7 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "gpt", "stages": 2, "schedule": "1F1B"},
             {"model": "residual", "stages": 4, "micro_batches": 4},
             {"model": "gpt", "stages": 2, "accumulate": 2, "extra_logs": True},
+            {"model": "loss", "stages": 2, "schedule": "1F1B"},
         ],
     ),
 ]
