@@ -215,7 +215,7 @@ class PipelineRunner:
                     self._each(self._rebuild(self._wire[0](*chunk)), target_chunk)
             else:
                 kwargs = {"target": target, "losses": []} if self.is_last else {}
-                self._schedule("eval", args).eval(*args, **kwargs)
+                self._schedule("eval", args).eval(*args, return_outputs=False, **kwargs)
         finally:
             self._each = None
         if each is not None or not self.is_last:

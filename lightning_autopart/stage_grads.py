@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["clip_by_global_norm", "keep_contiguous"]
+__all__ = ["agree_on_overflow", "clip_by_global_norm", "keep_contiguous"]
 
 
 def keep_contiguous(module: nn.Module) -> nn.Module:
@@ -50,6 +50,19 @@ def clip_by_global_norm(
         if p.grad is not None:
             p.grad.detach().mul_(coefficient.to(p.grad.dtype))
     return norm
+
+
+def agree_on_overflow(found_inf: Mapping[Any, Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Make a gradient scaler's inf/NaN flags (``found_inf_per_device`` after ``unscale_``) the maximum over
+    ``group`` (default: every rank), in place: one stage overflowing makes every stage skip the step and lower
+    the scale, as one process would. One small all-reduce, no host sync."""
+    if not found_inf:
+        return
+    flags = list(found_inf.values())
+    total = torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).amax().reshape(1)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    for f in flags:
+        f.copy_(total.reshape(f.shape).to(f.device))
 
 
 def _contiguous_outputs(module: nn.Module, args: Any, output: Any) -> Any:

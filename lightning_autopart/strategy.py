@@ -43,7 +43,7 @@ from lightning_autopart.partitioning import (
 )
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.runtime import PipelineRunner
-from lightning_autopart.stage_grads import clip_by_global_norm
+from lightning_autopart.stage_grads import agree_on_overflow, clip_by_global_norm
 from lightning_autopart.steps import PipelinedSteps
 from lightning_autopart.topology import build_groups
 
@@ -301,12 +301,8 @@ class AutoPartitionStrategy(ParallelStrategy):
 
         def agreed_unscale(optimizer: Any) -> None:
             unscale(optimizer)
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            if _distributed_is_initialized() and self.world_size > 1 and found:
-                total = torch.stack([f.reshape(()) for f in found.values()]).amax().reshape(1)
-                dist.all_reduce(total, op=dist.ReduceOp.MAX)
-                for f in found.values():
-                    f.copy_(total.reshape(f.shape).to(f.device))
+            if _distributed_is_initialized() and self.world_size > 1:
+                agree_on_overflow(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
         scaler.unscale_ = agreed_unscale
         return scaler.scale

@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
@@ -147,8 +148,9 @@ def fit(
     """Train a case for ``STEPS`` optimizer steps; each batch holds ``LOCAL_BATCH x replicas`` samples in all.
 
     Case options: ``accumulate`` (gradient accumulation), ``clip`` (gradient norm clipping), ``validate`` (a validation loader, a
-    ``ModelCheckpoint(monitor="val_loss")`` writing to ``ckpt_dir``). Returns the model, the logged
-    ``train_loss`` per batch and the final callback metrics.
+    ``ModelCheckpoint(monitor="val_loss")`` writing to ``ckpt_dir``), ``precision`` ("bf16-mixed", or "16-mixed"
+    with a GradScaler of initial scale ``scale``, 2**16 by default). Returns the model, the logged ``train_loss``
+    per batch and the final callback metrics (with the gradient scaler's final "scale").
     """
     model = make_lit(case)
     accumulate = case.get("accumulate", 1)
@@ -166,10 +168,18 @@ def fit(
         callbacks.append(ModelCheckpoint(dirpath=case.get("ckpt_dir"), monitor="val_loss"))
         # Every rank must see val_loss and agree on stopping (reduce_boolean_decision over the whole world).
         callbacks.append(EarlyStopping(monitor="val_loss", patience=1000))
+    precision: dict[str, Any] = {}
+    scaler = None
+    if case.get("precision") == "16-mixed":  # Lightning takes fp16 autocast on the CPU as a plugin
+        scaler = torch.amp.GradScaler("cpu", init_scale=case.get("scale", 2.0**16))
+        precision["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler)]
+    elif case.get("precision"):
+        precision["precision"] = case["precision"]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
+        **precision,
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=case.get("clip"),
@@ -182,4 +192,6 @@ def fit(
     )
     trainer.fit(model, DataLoader(data, batch_size=batch), val)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if scaler is not None:
+        metrics["scale"] = scaler.get_scale()
     return model, losses.losses, metrics

@@ -1,4 +1,5 @@
-"""The log channel on 4 gloo ranks (2 stages x 2 replicas): every rank of a pipeline logs what its last stage did."""
+"""What stages share besides activations, on gloo ranks: the last stage's logs along each pipeline (2 stages x 2
+replicas), and a gradient scaler's overflow flag over every rank."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def test_a_pipeline_of_one_stage_needs_no_messages() -> None:
     assert channel.share("training_step", loss, records) == (loss, records)
     nothing, same = channel.share("training_step", None, records)
     assert math.isnan(nothing) and same is records
+
+
+def test_every_stage_agrees_on_a_gradient_overflow(tmp_path: Path) -> None:
+    """One stage's fp16 gradients overflow: every rank skips the step and lowers its scale, as one process would."""
+    code, log = run_job(
+        [str(Path(__file__).with_name("_overflow_worker.py")), str(tmp_path)], 3, "torchrun", 90
+    )
+    assert code == 0, log[-4000:]
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [r["before"] for r in results] == [[0.0], [1.0], [0.0]]
+    assert all(r["after"] == [1.0] and r["scale"] == 2.0**7 for r in results)

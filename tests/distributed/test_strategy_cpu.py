@@ -38,6 +38,9 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "mlp", "stages": 2, "extra_logs": True, "validate": True},
             {"model": "loss", "stages": 2},
             {"model": "structured", "stages": 2, "schedule": "1F1B", "validate": True},
+            {"model": "gpt", "stages": 2, "precision": "bf16-mixed", "validate": True},
+            # fp16 gradients overflow at first: every stage must skip the same steps as one process does
+            {"model": "mlp", "stages": 2, "precision": "16-mixed", "scale": 2.0**40},
         ],
     ),
     ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
@@ -84,7 +87,7 @@ def _case_id(index: int) -> str:
     how, world, _ = LAUNCHES[launch_index]
     sub = "-submodule" if case.get("via_submodule") else ""
     options = "".join(
-        f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule") if k in case
+        f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule", "precision") if k in case
     )
     return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}{options}"
 
@@ -98,6 +101,8 @@ def test_strategy_equals_single_process(runs: list[dict[Any, Any]], index: int, 
     model, expected_losses, expected_metrics = fit({**case, "ckpt_dir": str(tmp_path)}, "auto", 1, replicas)
     expected = dict(model.named_parameters())
     seen: set[str] = set()
+    # bfloat16 matmuls over micro-batches round differently from one over the whole batch
+    tolerance = 2e-2 if case.get("precision") == "bf16-mixed" else 1e-5
     for rank, results in runs[launch_index].items():
         if rank == "dir":
             continue
@@ -108,19 +113,19 @@ def test_strategy_equals_single_process(runs: list[dict[Any, Any]], index: int, 
         assert set(got["params"]) | set(got["held_elsewhere"]) == set(expected)
         accumulate = case.get("accumulate", 1)  # the gradients are all-reduced once per optimizer step
         assert got["syncs"] == [i % accumulate == accumulate - 1 for i in range(STEPS * accumulate)]
-        assert got["losses"] == pytest.approx(expected_losses, rel=1e-5), f"rank {rank}: loss curve differs"
-        assert got["metrics"] == pytest.approx(expected_metrics, rel=1e-5), f"rank {rank}: metrics differ"
+        assert got["losses"] == pytest.approx(expected_losses, rel=tolerance), f"rank {rank}: loss curve differs"
+        assert got["metrics"] == pytest.approx(expected_metrics, rel=tolerance), f"rank {rank}: metrics differ"
         for name, value in got["params"].items():
             ref = expected[name].detach()
             error = ((value - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-            assert error < 1e-5, f"rank {rank}: {name} differs (relative error {error:.2e})"
+            assert error < tolerance, f"rank {rank}: {name} differs (relative error {error:.2e})"
             seen.add(name)
     assert seen == set(expected), f"parameters held by no rank: {sorted(set(expected) - seen)}"
     if case.get("validate"):  # ModelCheckpoint(monitor="val_loss") wrote the whole model, gathered on rank 0
         (path,) = (runs[launch_index]["dir"] / f"ckpt{position}").glob("*.ckpt")
         saved = torch.load(path, weights_only=True)["state_dict"]
         for name, ref in expected.items():
-            torch.testing.assert_close(saved[name], ref.detach(), rtol=1e-5, atol=1e-7, msg=name)
+            torch.testing.assert_close(saved[name], ref.detach(), rtol=tolerance, atol=max(1e-7, tolerance**2), msg=name)
 
 
 def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
