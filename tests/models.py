@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.idioms import Factory, Structured, WideResidual
+from tests.idioms import Factory, Positional, Structured, WideResidual
 
 __all__ = ["ZOO", "ZooModel", "example", "make"]
 
@@ -319,6 +319,7 @@ ZOO: dict[str, ZooModel] = {
         Structured, lambda g: (torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g))
     ),
     "wide_residual": ZooModel(WideResidual, _randn(3, 4)),
+    "positional": ZooModel(Positional, lambda g: torch.randint(0, 50, (2, 8), generator=g)),
 }
 
 

@@ -18,7 +18,7 @@ BATCH, MICRO, STEPS = 8, 2, 3
 
 
 def _data(model: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    if model == "gpt":
+    if model in ("gpt", "positional"):
         return torch.randint(0, 50, (n, 8), generator=g), torch.randint(0, 50, (n, 8), generator=g)
     if model == "residual":
         return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
@@ -38,7 +38,7 @@ def batches(model: str, size: int = BATCH) -> list[tuple[torch.Tensor, torch.Ten
 
 def loss_fn(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A mean loss for the model's output."""
-    if model == "gpt":
+    if model in ("gpt", "positional"):
         return lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
     return F.mse_loss
 

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: (stages, replicas) per world size.
 LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(4, 1), (2, 2)]}
-MODELS = ("mlp", "residual", "gpt")
+#: gpt: a bool causal mask and a tied weight cross cuts; positional: int64 position ids and a bool mask reach
+#: every layer.
+MODELS = ("mlp", "residual", "gpt", "positional")
 SCHEDULES = ("GPipe", "1F1B")
 CASES = (
     [
@@ -33,7 +35,7 @@ CASES = (
     ]
     + [
         {"model": m, "stages": 4, "replicas": 1, "schedule": "Interleaved1F1B", "chunks": 2}
-        for m in ("mlp", "gpt")
+        for m in ("mlp", "gpt", "positional")
     ]
     + [  # gradient accumulation: sync=False steps, then one all-reduce per optimizer step
         {"model": m, "stages": s, "replicas": r, "schedule": k, "accumulate": a}
