@@ -6,7 +6,9 @@
 captured on the CPU (or on ``meta``, for planning) and run on a GPU would then mix devices. So every device
 constant equal to the capture device is replaced by the device of a tensor the program receives (its first
 tensor input, else its first parameter or buffer), read when the program runs. A device that differs from the
-capture device (an explicit ``.cpu()`` in a GPU model) stays as written.
+capture device (an explicit ``.cpu()`` in a GPU model) stays as written. torch.export's own checks of a
+tensor's dtype and device (``_assert_tensor_metadata``, emitted before ``.to(...)``) are removed: the device
+moves, and under autocast a value's dtype is not the traced one.
 
 [Note: modes] torch.export also records ``self.training`` as a constant: ``dropout(x, p, train=True)``,
 ``batch_norm(..., training=True, ...)`` and BatchNorm's ``num_batches_tracked += 1``. Models are captured in
@@ -19,12 +21,13 @@ pipelined programs as they switch the model.
 from __future__ import annotations
 
 import builtins
+import operator
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["MODES_ATTRIBUTE", "ModeSwitch", "follow_device", "follow_mode", "home_device"]
+__all__ = ["MODES_ATTRIBUTE", "ModeSwitch", "home_device", "make_portable"]
 
 _aten = torch.ops.aten
 
@@ -60,7 +63,21 @@ class ModeSwitch:
         return bool(module.training)
 
 
-def follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
+def make_portable(program: fx.GraphModule, home: torch.device | None, switch: ModeSwitch) -> None:
+    """Make a captured program follow its inputs' device and its modules' modes (see [Note: portable programs],
+    [Note: modes]), with the subgraphs of its higher-order operations (``torch.no_grad()`` regions), in place."""
+    for sub in _subgraphs(program):
+        make_portable(sub, home, switch)
+    for node in list(program.graph.nodes):
+        if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
+            program.graph.erase_node(node)
+    _follow_device(program, home)
+    if _follow_mode(program.graph, switch):
+        setattr(program, MODES_ATTRIBUTE, switch)
+    program.recompile()
+
+
+def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
     """Replace every training-mode constant in ``graph`` by a run-time read of its module's flag.
 
     Returns:
@@ -110,29 +127,43 @@ def home_device(values: list[Any]) -> torch.device | None:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), None)
 
 
-def _is_tensor_node(node: fx.Node, attrs: dict[str, Any]) -> bool:
-    if node.op == "placeholder":
-        return isinstance(node.meta.get("val"), torch.Tensor)
-    return node.op == "get_attr" and isinstance(attrs.get(str(node.target)), torch.Tensor)
+def _attribute(program: fx.GraphModule, node: fx.Node) -> Any:
+    """What a ``get_attr`` node reads, None for other nodes."""
+    if node.op != "get_attr":
+        return None
+    try:
+        return operator.attrgetter(str(node.target))(program)
+    except AttributeError:
+        return None
 
 
-def follow_device(graph: fx.Graph, home: torch.device | None, attrs: dict[str, Any]) -> int:
-    """Replace every ``home`` device constant in ``graph`` by the run-time device of an anchor tensor.
+def _is_tensor_node(program: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "placeholder":  # a subgraph's placeholders may carry no example value: tensors
+        return isinstance(node.meta.get("val", torch.empty(0)), torch.Tensor)
+    return isinstance(_attribute(program, node), torch.Tensor)
+
+
+def _subgraphs(program: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs of higher-order operations a program calls (``torch.no_grad()`` regions, ``torch.cond``)."""
+    found = [_attribute(program, node) for node in program.graph.nodes]
+    return [sub for sub in found if isinstance(sub, fx.GraphModule)]
+
+
+def _follow_device(program: fx.GraphModule, home: torch.device | None) -> int:
+    """Replace every ``home`` device constant in ``program``'s graph by the run-time device of an anchor tensor.
 
     Args:
-        graph: A block or stage program's graph (changed in place).
+        program: A block program (its graph is changed in place).
         home: The device the model was captured on; None changes nothing.
-        attrs: The program's attributes by ``get_attr`` target (to tell tensors from submodules).
 
     Returns:
         How many arguments were rewritten (0 when no node names ``home`` or the program has no tensor).
     """
     if home is None:
         return 0
-    uses = [
-        n for n in graph.nodes if n.op == "call_function" and _names_device(n, home)
-    ]
-    anchor = next((n for n in graph.nodes if _is_tensor_node(n, attrs)), None)
+    graph = program.graph
+    uses = [n for n in graph.nodes if n.op == "call_function" and _names_device(n, home)]
+    anchor = next((n for n in graph.nodes if _is_tensor_node(program, n)), None)
     if not uses or anchor is None:
         return 0
     first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))

@@ -23,13 +23,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.outputs import flat_forward
-from lightning_autopart.capture.portable import (
-    MODES_ATTRIBUTE,
-    ModeSwitch,
-    follow_device,
-    follow_mode,
-    home_device,
-)
+from lightning_autopart.capture.portable import ModeSwitch, home_device, make_portable
 from lightning_autopart.capture.tree import block_modules, param_weight
 from lightning_autopart.errors import CaptureError
 from lightning_autopart.graph import CapturedModel, OutputSpec
@@ -302,11 +296,10 @@ def _split(
         for n in nodes:
             env[n] = graph.node_copy(n, env.__getitem__)
         graph.output(tuple(env[o] for o in outputs))
-        root: dict[str, Any] = {attrs[a][1]: attrs[a][2] for a in used}
-        follow_device(graph, home, root)
-        if follow_mode(graph, switch):
-            root[MODES_ATTRIBUTE] = switch
-        programs.append(fx.GraphModule(root, graph, class_name=f"Block{k}"))
+        root = {attrs[a][1]: attrs[a][2] for a in used}
+        program = fx.GraphModule(root, graph, class_name=f"Block{k}")
+        make_portable(program, home, switch)
+        programs.append(program)
         interface.append((inputs, outputs))
     return interface, programs
 
