@@ -117,6 +117,8 @@ class CapturedModel:
     split_graph: torch.fx.GraphModule | None = None
     #: The other leaves of its arguments, baked into the programs, as (position among all leaves, value).
     constant_inputs: tuple[tuple[int, Any], ...] = ()
+    #: What capture had to give up, each with the user's fix (a fallback to module hooks, modules made one block).
+    notes: tuple[str, ...] = ()
     #: How the forward's output is rebuilt from ``cuts[-1]`` (see [Note: output structure] in capture/outputs.py).
     output: OutputSpec = field(default_factory=lambda: OutputSpec.single())
 

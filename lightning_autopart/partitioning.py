@@ -226,9 +226,10 @@ def _make_plan(
         max_blocks=settings.max_blocks,
     )
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
+        why = "".join(f"; {note}" for note in prof.meta.get("capture_notes", ()))
         raise ConfigError(
             f"num_stages={settings.num_stages} is more than the {prof.num_blocks} blocks the model splits into; "
-            f"use at most {prof.num_blocks} stages"
+            f"use at most {prof.num_blocks} stages{why}"
         )
     candidates = (
         [settings.num_stages]

@@ -63,6 +63,8 @@ def profile_model(
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
     captured = capture(model, example_inputs, max_blocks=max_blocks)
     result = profile_blocks(captured, mode=profile, spec=spec, optimizer=optimizer, progress=progress)
+    if captured.notes:  # what capture gave up, for errors about the number of blocks
+        result = dataclasses.replace(result, meta={**result.meta, "capture_notes": list(captured.notes)})
     small = small_batch(captured.batch_size)
     if profile != "measure" or not small:
         return result

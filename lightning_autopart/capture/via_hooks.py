@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,12 +195,22 @@ def capture_modules(
     fqns = block_modules(
         module, max_blocks, weight if weight("") > 0 else lambda f: len(list(modules[f].modules()))
     )
+    notes: list[str] = []
+    if export_error is not None:
+        notes.append(
+            f"torch.export cannot trace {cls} ({export_error}), so it was captured with module hooks, which cut "
+            "only between submodules: remove data-dependent control flow from the forward for finer blocks"
+        )
     for _ in range(len(modules)):  # each retry turns one more module above the blocks into a block
         try:
-            return _capture_once(module, args, kwargs, fqns)
+            return dataclasses.replace(_capture_once(module, args, kwargs, fqns), notes=tuple(notes))
         except Glue as glue:
             if glue.owner == "":
                 raise CaptureError(_glue_message(module, glue, export_error)) from None
+            owner = type(modules[glue.owner]).__name__
+            notes.append(
+                f"'{glue.owner}' is one block: {glue.what.format(owner=owner)} ({glue.fix.lower()} to cut inside it)"
+            )
             fqns = collapse(fqns, glue.owner)
         except Exception as error:
             raise CaptureError(forward_message(module, args, kwargs, error, export_error)) from error

@@ -182,3 +182,13 @@ def test_stages_follow_the_models_train_and_eval_modes() -> None:
             torch.testing.assert_close(out, twin(image), msg=mode)
         for (name, a), b in zip(net.named_buffers(), twin.buffers(), strict=True):
             torch.testing.assert_close(a, b, msg=f"{mode}: {name}")  # running stats and batch counts moved alike
+
+
+def test_what_capture_gives_up_is_noted_with_the_fix() -> None:
+    """Falling back to module hooks, and merging a module whose forward holds glue, are said with the fix."""
+    captured = capture(make("data_dependent"), example("data_dependent"))
+    fallback, merged = captured.notes
+    assert "torch.export cannot trace DataDependent" in fallback and "data-dependent control flow" in fallback
+    assert merged.startswith("'gate' is one block: output 0 of 'gate' is computed in Gate.forward outside any")
+    assert "move that computation into a submodule" in merged
+    assert capture(make("gpt"), example("gpt")).notes == ()

@@ -22,9 +22,11 @@ from lightning_autopart.lightning_hooks import (
     replaced_forward,
     slice_batch,
 )
-from lightning_autopart.partitioning import PlanSettings, _make_plan, choose_micro_batches, move_in_place
+from lightning_autopart.partitioning import PlanSettings, _make_plan, choose_micro_batches
+from lightning_autopart.runtime import move_in_place
 from lightning_autopart.strategy import AutoPartitionStrategy
 from tests.distributed.strategy_cases import Lit, dataset, fit
+from tests.models import make
 
 
 @pytest.fixture
@@ -104,6 +106,11 @@ def test_more_stages_than_blocks() -> None:
     settings = PlanSettings(num_stages=8, profile="estimate")
     with pytest.raises(ConfigError, match="num_stages=8 is more than the 4 blocks"):
         _make_plan(settings, model, call, 4, 8, 1, torch.device("cpu"))
+    gated = make("data_dependent")  # hooks capture merges 'gate': the message says why and what to change
+    settings = PlanSettings(num_stages=4, profile="measure")
+    call = find_forward(gated, lambda: gated(torch.randn(4, 8)))
+    with pytest.raises(ConfigError, match=r"more than the 3 blocks .*'gate' is one block: .*into a submodule"):
+        _make_plan(settings, gated, call, 4, 4, 1, torch.device("cpu"))
 
 
 @pytest.mark.usefixtures("master_port")
