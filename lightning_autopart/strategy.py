@@ -350,6 +350,7 @@ class AutoPartitionStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
         for p, g in zip(self._params, self._stash, strict=False):
             p.grad = g
+        self._stash = []  # the parameters hold them now: kept here, they would outlive zero_grad
         closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
@@ -388,8 +389,9 @@ class AutoPartitionStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
-        # Logged values are equal along a pipeline (replayed), so a WORLD mean is the data-parallel mean.
-        if isinstance(tensor, Tensor):
+        # Logged values are equal along a pipeline (replayed), so a WORLD mean is the data-parallel mean. One
+        # process has nothing to reduce (and plain Lightning's single device skips the collective too).
+        if isinstance(tensor, Tensor) and self.world_size > 1:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 

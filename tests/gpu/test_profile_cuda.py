@@ -1,12 +1,20 @@
-"""CUDA tests of the measuring profiler: event timing, bfloat16, and agreement with the roofline estimate."""
+"""CUDA tests of the measuring profiler: event timing, no memory left behind, bfloat16, and agreement with the
+roofline estimate. ``check_*`` functions take the device, so they can be tried on the CPU."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 from torch import nn
 
+from lightning_autopart.capture import capture
+from lightning_autopart.graph import CapturedModel
 from lightning_autopart.profile import profile
+from lightning_autopart.records import ModelProfile
+from tests.census import live_tensor_bytes
+from tests.models import GPT
 from tests.unit.test_profile import F32, chain, mlp
 
 pytestmark = [
@@ -53,3 +61,54 @@ def test_estimate_is_in_the_right_range_of_a_measurement() -> None:
     estimated = profile(chain(model, x), "estimate", dtype="bfloat16")  # spec matched to the device name
     ratio = sum(b.fwd_us for b in estimated.blocks) / sum(b.fwd_us for b in measured.blocks)
     assert 0.25 < ratio < 4.0
+
+
+def check_measure_frees_its_copies(captured: CapturedModel, device: str) -> ModelProfile:
+    """``profile(captured, "measure", device=...)`` twice; around the second, the device's allocated memory
+    must come back to what it was, by reference counting alone: the collector is off meanwhile (no gc.collect,
+    no automatic collection), so copies kept alive by a reference cycle count as leaked.
+
+    The first call warms up what the device keeps for good (cuBLAS/cuDNN workspaces, autocast caches)."""
+    profile(captured, "measure", device=device, warmup=1, repeats=1)
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    before = _allocated(device)
+    gc.disable()
+    try:
+        prof = profile(captured, "measure", device=device, warmup=2, repeats=3)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        after = _allocated(device)
+    finally:
+        gc.enable()
+    assert after - before <= (1 << 20), (
+        f"profile() left {(after - before) / 2**20:.1f} MB allocated on {device}"
+    )
+    return prof
+
+
+def _allocated(device: str) -> int:
+    """Bytes allocated on ``device``: the CUDA allocator's count; elsewhere a census of every live tensor."""
+    if device.startswith("cuda"):
+        return torch.cuda.memory_allocated(device)
+    return live_tensor_bytes()
+
+
+def captured_gpt() -> CapturedModel:
+    """tests/models.py GPT, wide enough that a leaked copy of its blocks is several MB, captured by torch.export."""
+    torch.manual_seed(0)
+    model = GPT(vocab=512, dim=256, heads=4, depth=2, seq=32)
+    return capture(model, torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(0)))
+
+
+def test_cuda_events_time_a_captured_model_and_nothing_leaks() -> None:
+    """A torch.export capture (causal mask and position ids built in forward on the input's device), measured on
+    CUDA: timed with CUDA events, positive times, the live model untouched, no memory left behind."""
+    captured = captured_gpt()
+    prof = check_measure_frees_its_copies(captured, "cuda")
+    assert prof.device.startswith("cuda:") and prof.meta["timer"] == "cuda_event"
+    assert len(prof.blocks) == captured.num_blocks > 1
+    for b in prof.blocks:
+        assert b.fwd_us > 0 and b.bwd_us > 0, b
+    assert all(p.device.type == "cpu" and p.grad is None for p in captured.module.parameters())

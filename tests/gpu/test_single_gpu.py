@@ -1,20 +1,46 @@
-"""The strategy's single-GPU path: only this rank's tensors reach the device, training equals plain Lightning."""
+"""The strategy on one GPU: only this rank's tensors reach the device, and training equals plain Lightning.
+
+Each comparison trains the same model, from the same seed, on the same batches in the same order, once with
+Lightning's default strategy and once with ``AutoPartitionStrategy(num_stages=1, micro_batches=m)``, both with
+``Trainer(accelerator="gpu", devices=1)``, and compares the logged losses, the final parameters and buffers and
+each parameter's update. The tier is single-GPU: a 2-stage plan needs two ranks, and one GPU cannot host two
+NCCL ranks (``tests/distributed`` runs pipelines on CPU processes).
+
+``check_*`` functions take the accelerator, so they can be tried without a GPU (``accelerator="cpu"``).
+"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_autopart.partitioning import move_in_place
-from tests.distributed.launch import free_port
+from lightning_autopart.runtime import move_in_place
+from tests.gpu.harness import CASES, Case, Trained, assert_same_training, autopart, fit
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+#: Optimizer steps per side.
+STEPS = 4
+
+
+def check_training_equals_plain_lightning(
+    case: Case, accelerator: str, micro_batches: int | None = None, steps: int = STEPS
+) -> tuple[Trained, Trained]:
+    """Plain Lightning, then autopart's 1-stage plan, on one device: equal in float32 (see the module doc).
+
+    Returns both sides' records (autopart's first)."""
+    plain = fit(case, "auto", accelerator=accelerator, max_steps=steps)
+    pipelined = fit(
+        case, autopart(micro_batches or case.micro_batches), accelerator=accelerator, max_steps=steps
+    )
+    device = "cuda" if accelerator == "gpu" else accelerator
+    assert plain.devices == pipelined.devices == {device}, (plain.devices, pipelined.devices)
+    assert_same_training(pipelined, plain, rtol=1e-4, atol=1e-5)
+    return pipelined, plain
 
 
 def test_move_in_place_keeps_the_tensors_stage_modules_share() -> None:
@@ -31,31 +57,34 @@ def test_move_in_place_keeps_the_tensors_stage_modules_share() -> None:
     assert stage.running_mean is model.running_mean and stage.running_mean.is_cuda
 
 
-def test_one_gpu_trains_like_plain_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning as L
-    from torch.utils.data import DataLoader
+def test_one_gpu_trains_like_plain_lightning() -> None:
+    """tests/models.py GPT (mask and position ids made on ``x.device`` in forward, tied head), 2 micro-batches."""
+    check_training_equals_plain_lightning(CASES["gpt"], "gpu")
 
-    from lightning_autopart import AutoPartitionStrategy
-    from tests.distributed.strategy_cases import dataset, make_lit
 
-    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
-    results = []
-    for strategy in (AutoPartitionStrategy(num_stages=1, micro_batches=2), "auto"):
-        model = make_lit({"model": "gpt"})
-        trainer = L.Trainer(
-            accelerator="gpu",
-            devices=1,
-            strategy=strategy,
-            max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(model, DataLoader(dataset("gpt", 12), batch_size=4))
-        assert all(p.is_cuda for p in model.parameters())
-        results.append({n: p.detach().cpu() for n, p in model.named_parameters()})
-    pipelined, plain = results
-    for name, ref in plain.items():
-        torch.testing.assert_close(pipelined[name], ref, rtol=1e-4, atol=1e-5, msg=name)
+def test_example_gpt_trains_like_plain_lightning() -> None:
+    """examples/gpt.py (scaled_dot_product_attention, mask on ``x.device``, tied head), 4 micro-batches."""
+    check_training_equals_plain_lightning(CASES["example_gpt"], "gpu")
+
+
+def test_resnet_with_batchnorm_trains_like_plain_lightning() -> None:
+    """BatchNorm: one micro-batch, so its statistics are the batch's; running statistics must end equal too
+    (``assert_same_training`` compares every buffer: running means and variances, ``num_batches_tracked``)."""
+    check_resnet(CASES["resnet"], "gpu")
+
+
+def check_resnet(case: Case, accelerator: str) -> None:
+    pipelined, plain = check_training_equals_plain_lightning(case, accelerator)
+    counts = {n: int(t) for n, t in pipelined.buffers.items() if n.endswith("num_batches_tracked")}
+    assert counts and set(counts.values()) == {STEPS}, (
+        counts
+    )  # every BatchNorm ran in training mode each step
+    means = [t for n, t in plain.buffers.items() if n.endswith("running_mean")]
+    assert all(
+        bool(t.abs().sum() > 0) for t in means
+    )  # the statistics moved, so comparing them means something
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_tutorial_net_trains_like_plain_lightning(micro_batches: int) -> None:
+    check_training_equals_plain_lightning(CASES["tutorial"], "gpu", micro_batches)

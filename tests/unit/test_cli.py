@@ -192,7 +192,9 @@ def test_measure_mode_and_an_infeasible_plan(tmp_path: Path, capsys: pytest.Capt
     )
     assert code == 0, err
     plan = Plan.load(out)
-    assert plan.profile_mode == "measure" and plan.device == "cpu"
+    # measure times the blocks on this machine's device: the current CUDA device where there is one
+    here = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    assert plan.profile_mode == "measure" and plan.device == here
     code, _, err = run(
         ["plan", *NET, "--devices", "2", "--batch-size", "8", "--device-memory", "10KB"], capsys
     )
