@@ -56,6 +56,8 @@ def _fused_sdpa(
         return None
     if not q.shape[1] == k.shape[1] == v.shape[1]:
         return None
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
+        return None  # a learned bias as the mask (T5's position bias): the fused kernel has no gradient for it
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
@@ -75,7 +77,10 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
     runner = Runner(block, _META, compute)
     runner.context = FusedAttention
     counter = OpCounter(roofline)
-    saved = runner.counted_run(counter)
+    try:
+        saved = runner.counted_run(counter)
+    finally:
+        runner.release()  # see [Note: no copy outlives the profiler] in sandbox.py
     fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
     fixed = (fwd.kernels * roofline.launch_us, bwd.kernels * roofline.launch_us)
     return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed)

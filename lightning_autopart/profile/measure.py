@@ -59,30 +59,38 @@ def measure_blocks(
     runners: list[Runner] = []
     counters: list[OpCounter] = []
     saved: list[tuple[int, int, int]] = []
-    for i, block in enumerate(blocks):
-        try:
-            runner = Runner(block, device, precision)
-            counter = OpCounter()
-            saved.append(runner.counted_run(counter))
-        except Exception as error:
-            raise BlockFailed(i, error) from error
-        runners.append(runner)
-        counters.append(counter)
     fwd_times: list[list[float]] = [[] for _ in blocks]
     bwd_times: list[list[float]] = [[] for _ in blocks]
-    for round_ in range(warmup + repeats):
-        timed = round_ >= warmup
-        outputs: list[list[torch.Tensor]] = []
-        for i, runner in enumerate(runners):
-            inputs = fresh_inputs(runner.args)
-            outputs.append(_timed(partial(runner.forward, inputs), device, i, fwd_times, timed))
-        for i in reversed(range(len(runners))):
-            runner, out = runners[i], outputs[i]
-            _timed(partial(runner.backward, out), device, i, bwd_times, timed and bool(out))
-            if not out and timed:
-                bwd_times[i].append(0.0)
+    outputs: list[list[torch.Tensor]] = []
+    try:
+        for i, block in enumerate(blocks):
+            try:
+                runner = Runner(block, device, precision)
+                runners.append(runner)
+                counter = OpCounter()
+                saved.append(runner.counted_run(counter))
+            except Exception as error:
+                raise BlockFailed(i, error) from error
+            counters.append(counter)
+        for round_ in range(warmup + repeats):
+            timed = round_ >= warmup
+            outputs.clear()
+            for i, runner in enumerate(runners):
+                inputs = fresh_inputs(runner.args)
+                outputs.append(_timed(partial(runner.forward, inputs), device, i, fwd_times, timed))
+            for i in reversed(range(len(runners))):
+                runner, out = runners[i], outputs[i]
+                _timed(partial(runner.backward, out), device, i, bwd_times, timed and bool(out))
+                if not out and timed:
+                    bwd_times[i].append(0.0)
+            for runner in runners:
+                clear_grads(runner.program, runner.args)
+    finally:
+        # Free the copies now, also when a block failed (see [Note: no copy outlives the profiler]).
+        outputs.clear()
         for runner in runners:
-            clear_grads(runner.program, runner.args)
+            runner.release()
+        runners.clear()
     costs = []
     for i in range(len(blocks)):
         fwd_us = statistics.median(fwd_times[i])

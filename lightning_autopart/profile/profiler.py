@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -183,6 +184,7 @@ def profile(
             try:
                 cost = measured[index] if mode == "measure" else estimate_block(block, precision, roofline)
             except Exception as err:
+                _forget_frames(err)
                 raise ProfileError(
                     f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
                     f"{type(err).__name__}: {err}"
@@ -257,11 +259,29 @@ def _measure(
     except BlockFailed as failed:
         index = window[failed.position]
         err = failed.error
+        _forget_frames(failed)
         raise ProfileError(
             f"profiling block {index} ({blocks[failed.position].name!r}) in measure mode failed: "
             f"{type(err).__name__}: {err}"
         ) from err
     return dict(zip(window, costs, strict=True))
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in the tracebacks of ``error`` and of its causes.
+
+    A failed block's traceback holds every frame from the profiler down to the failing op, and with them
+    the profiler's copies, inputs, outputs and autograd graphs: an error a caller keeps (the strategy sends
+    a planning failure to every rank before raising it) would keep them allocated. The printed traceback
+    is unchanged (it needs code and line numbers, not locals); frames still running are skipped.
+    See [Note: no copy outlives the profiler] in sandbox.py.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def _record(

@@ -20,6 +20,7 @@ from lightning_autopart.profile.sandbox import (
     fresh_inputs,
     grad_outputs,
     make_args,
+    release_program,
     state_tensors,
 )
 from lightning_autopart.profile.saved import SavedTensorMeter
@@ -75,6 +76,7 @@ class Runner:
 
     def __init__(self, block: Block, device: torch.device, precision: Precision) -> None:
         self.device = device
+        self._original = block.program
         self.program: nn.Module = copy_program(block.program, device, precision.param)
         self.args = make_args(block, device, precision.param)
         #: Context of every forward: autocast for a "-mixed" precision, or what the caller sets.
@@ -83,6 +85,17 @@ class Runner:
             compute = precision.compute
             self.context = lambda: torch.autocast(device.type, dtype=compute)
         self.grads: list[torch.Tensor] = []
+
+    def release(self) -> None:
+        """Free the copy, its arguments and gradient seeds now; the runner cannot run again.
+
+        Called when a profiler is done with the runner, also when a block failed, so nothing it made is
+        left for the garbage collector (see [Note: no copy outlives the profiler] in sandbox.py).
+        """
+        release_program(self.program, self._original)
+        self.program = nn.Module()
+        self.args = ()
+        self.grads = []
 
     def forward(self, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
         with self.context():

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from lightning_autopart.graph import Block
@@ -16,6 +16,18 @@ from lightning_autopart.graph import Block
 __all__: list[str] = []
 
 # The live model is never moved, cast or run: every helper here works on copies.
+
+# [Note: no copy outlives the profiler] A profiler's copies (programs, parameters, inputs, outputs, gradients)
+# must be freed when ``profile()`` returns, by reference counting alone: memory held by a reference cycle
+# stays allocated (on the GPU too) until Python's collector happens to run, and the training step that follows
+# the planning would pay for it (a full copy of every window's weights, measured on a CPU MLP). What kept them:
+# every ``fx.GraphModule`` points at its graph and the graph back at it (``Graph.owning_module``), so a copied
+# block program (and the parameters it holds) lived on after its Runner was gone; a user's module may be in a
+# cycle of its own (a bound method kept as an attribute), and deep copies keep it; and a failed block's
+# traceback keeps the frames, with their runners, outputs and autograd graphs. So a copy's graphs are detached
+# from it as soon as it is made (``copy_program``), every Runner is emptied when its profiler is done with it,
+# even on failure (``Runner.release``), and the frames of a failure are cleared before it is re-raised
+# (``profiler._forget_frames``). No gc.collect() is needed, and none is done.
 
 
 def convert_tensor(
@@ -77,7 +89,32 @@ def copy_program(program: nn.Module, device: torch.device, dtype: torch.dtype | 
     with warnings.catch_warnings():  # deep-copying pytree specs held by a program warns in torch >= 2.10
         warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
         clone = copy.deepcopy(program, memo)
+    originals = {id(m) for m in program.modules()}
+    for module in clone.modules():
+        # A copied GraphModule and its (copied) graph point at each other: a cycle that would keep the copy's
+        # parameters alive until the next garbage collection (see [Note: no copy outlives the profiler]).
+        # Running the generated forward never reads Graph.owning_module; only graph edits do, and a copy is
+        # never edited. Modules of the original (never expected in a deep copy) are left alone.
+        if isinstance(module, fx.GraphModule) and id(module) not in originals:
+            graph = module.graph
+            if graph.owning_module is module:
+                graph.owning_module = None
     return clone.train()
+
+
+def release_program(clone: nn.Module, original: nn.Module) -> None:
+    """Drop every reference a copy made by :func:`copy_program` holds: parameters, buffers, other attributes.
+
+    The copy's modules are left empty and unusable, so whatever may still reach them (a cycle in a user's
+    module, a traceback) holds no tensor. Modules of ``original`` are never touched.
+    """
+    originals = {id(m) for m in original.modules()}
+    for module in list(clone.modules()):
+        if id(module) in originals:
+            continue
+        module._parameters.clear()
+        module._buffers.clear()
+        vars(module).clear()
 
 
 def needs_input_grad(block: Block) -> list[bool]:
