@@ -154,6 +154,8 @@ def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
         kwargs.update(zip(names, args, strict=False))
         if isinstance(value, torch.Tensor):
             value = value.detach()  # stays on its device: reading it would wait for the device
+            if value.untyped_storage().nbytes() > value.nbytes:
+                value = value.clone()  # a view (a loss can be one) would keep its whole buffer alive
         elif not isinstance(value, (int, float)):
             raise ConfigError(
                 f"self.log({name!r}, <{type(value).__name__}>): autopart replays logged values on every stage, "

@@ -85,10 +85,13 @@ class PipelinedSteps:
                 )
             return loss / accumulate
 
-        self.runner.loss_fn = loss_fn
         inputs = self.inputs(lambda: module.training_step(batch, batch_idx))
         target = batch_range(size) if self.runner.is_last else None
-        loss = self.runner.step(inputs, target, sync=sync, scale=self.scale)
+        self.runner.loss_fn = loss_fn
+        try:
+            loss = self.runner.step(inputs, target, sync=sync, scale=self.scale)
+        finally:
+            self.runner.loss_fn = None  # the closure holds the batch: it must not outlive the step
         value, _ = self.replay(
             "training_step", None if loss is None else loss * accumulate, merge_logs(records)
         )
