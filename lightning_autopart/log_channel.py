@@ -5,11 +5,13 @@ the same values (the progress bar and loggers live on rank 0, ``sync_dist`` is a
 Logged tensors stay on the device: they are packed into one device tensor (``[loss, values...]``, float64)
 broadcast from the last stage over a group of the pipeline's ranks on the device's backend, while Python
 numbers and the layout flag travel in a small CPU message over gloo, read on the host without touching a
-device. On a CPU device both parts are one gloo message. Every member keeps the last layout (names, options,
-shapes, dtypes) per step kind, so the sender broadcasts *asynchronously* and goes on with its optimizer step
-(it waits for that message only before the next one), and receivers post their receive before their own
-schedule runs and find the message there when it ends. When the layout changes (the first step, a new
-``self.log`` name), the flag says so and a pickled broadcast of the records (tensors copied to the CPU) follows.
+device. On a CPU device both parts are one gloo message. Every member keeps the layouts (names, options,
+shapes, dtypes) seen so far per step kind, and messages are as wide as the widest of them, so the sender
+broadcasts *asynchronously* and goes on with its optimizer step (it waits for that message only before the
+next one), and receivers post their receive before their own schedule runs and find the message there when it
+ends. The message names its layout by index; a layout never seen (the first step, a new ``self.log`` name) is
+flagged and a pickled broadcast of the records (tensors copied to the CPU) follows, once. A step kind that
+keeps making new layouts (names that change every step) starts its list over past ``MAX_LAYOUTS``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from lightning_autopart.lightning_hooks import LogRecord
 from lightning_autopart.plan import Plan
 from lightning_autopart.topology import pipeline_ranks
 
-__all__ = ["LogChannel", "open_log_channel"]
+__all__ = ["MAX_LAYOUTS", "LogChannel", "open_log_channel"]
+
+#: Layouts kept per step kind before the list starts over.
+MAX_LAYOUTS = 16
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,12 @@ def _slots(records: list[LogRecord]) -> list[_Slot]:
     return out
 
 
-def _widths(layout: list[_Slot]) -> tuple[int, int]:
-    """Sizes of the host part (flag, numbers) and of the device part (loss, tensors) of a message."""
-    host = 1 + sum(1 for s in layout if s.kind != "tensor")
-    return host, 1 + sum(s.numel for s in layout if s.kind == "tensor")
+def _widths(layouts: list[list[_Slot]]) -> tuple[int, int]:
+    """Sizes of the host part (layout index, numbers) and of the device part (loss, tensors) of a message that
+    fits every one of ``layouts``."""
+    host = max((sum(1 for s in layout if s.kind != "tensor") for layout in layouts), default=0)
+    values = max((sum(s.numel for s in layout if s.kind == "tensor") for layout in layouts), default=0)
+    return 1 + host, 1 + values
 
 
 class LogChannel:
@@ -85,13 +92,13 @@ class LogChannel:
         self.is_src = rank == src
         self.device = device or torch.device("cpu")
         self.device_group = device_group
-        self._layouts: dict[str, list[_Slot]] = {}
+        self._layouts: dict[str, list[list[_Slot]]] = {}
         self._inflight: tuple[list[Any], tuple[torch.Tensor, ...]] = ([], ())
         self._posted: tuple[str, list[Any], torch.Tensor, torch.Tensor] | None = None
 
-    def _buffers(self, layout: list[_Slot]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Zeroed buffers for a message of ``layout``: (what gloo sends, its host part, the device part)."""
-        host, values = _widths(layout)
+    def _buffers(self, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zeroed buffers for a ``kind`` message: (what gloo sends, its host part, the device part)."""
+        host, values = _widths(self._layouts.get(kind, []))
         if self.device_group is None:  # a CPU device: one gloo message holds both parts
             whole = torch.zeros(host + values, dtype=torch.float64)
             return whole, whole[:host], whole[host:]
@@ -109,7 +116,7 @@ class LogChannel:
         runs, so its latency hides behind the schedule; ``share`` then only waits. Senders ignore it."""
         if self.group is None or self.is_src or self._posted is not None:
             return
-        whole, host, values = self._buffers(self._layouts.get(kind, []))
+        whole, host, values = self._buffers(kind)
         self._posted = (kind, self._broadcast(whole, values), host, values)
 
     def share(
@@ -126,13 +133,13 @@ class LogChannel:
         self._posted = None
         for work in works:
             work.wait()
-        flags = host.numpy()  # host memory: read without a device sync
-        if flags[0] == 1.0:
-            return values[0], _unpack(self._layouts.get(kind, []), flags[1:], values[1:])
+        numbers = host.numpy()  # host memory: read without a device sync
+        if numbers[0] >= 0:
+            return values[0], _unpack(self._layouts[kind][int(numbers[0])], numbers[1:], values[1:])
         box: list[Any] = [None]
         dist.broadcast_object_list(box, self.src, group=self.group)
         received: list[LogRecord] = box[0]
-        self._layouts[kind] = _slots(received)
+        self._learn(kind, _slots(received))
         for r in received:
             if isinstance(r.value, torch.Tensor):
                 r.value = r.value.to(self.device)
@@ -142,20 +149,21 @@ class LogChannel:
         self, kind: str, loss: torch.Tensor | None, records: list[LogRecord]
     ) -> tuple[torch.Tensor, list[LogRecord]]:
         self.wait()
-        layout = self._layouts.get(kind, [])
         slots = _slots(records)
-        same = slots == layout
-        whole, host, values = self._buffers(layout)
-        host[0] = float(same)
+        known = self._layouts.get(kind, [])
+        same = slots in known
+        whole, host, values = self._buffers(kind)
+        host[0] = float(known.index(slots)) if same else -1.0
         value = torch.tensor(math.nan, device=self.device) if loss is None else loss.detach()
         values[0] = value
         if same:
             numbers = [float(r.value) for r in records if not isinstance(r.value, torch.Tensor)]
             if numbers:
-                host[1:] = torch.tensor(numbers, dtype=torch.float64)
+                host[1 : 1 + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
             tensors = [r.value.reshape(-1) for r in records if isinstance(r.value, torch.Tensor)]
             if tensors:
-                values[1:] = torch.cat([t.to(device=values.device, dtype=torch.float64) for t in tensors])
+                flat = torch.cat([t.to(device=values.device, dtype=torch.float64) for t in tensors])
+                values[1 : 1 + flat.numel()] = flat
         works = self._broadcast(whole, values)
         if same:
             self._inflight = (works, (whole, values))  # the buffers stay alive until sent
@@ -165,10 +173,17 @@ class LogChannel:
                 for r in records
             ]
             dist.broadcast_object_list([portable], self.src, group=self.group)
-            self._layouts[kind] = slots
+            self._learn(kind, slots)
             for work in works:
                 work.wait()
         return value, records
+
+    def _learn(self, kind: str, layout: list[_Slot]) -> None:
+        """Remember a new layout of ``kind`` (on every member alike, so indices and widths agree)."""
+        known = self._layouts.setdefault(kind, [])
+        if len(known) >= MAX_LAYOUTS:
+            known.clear()
+        known.append(layout)
 
     def wait(self) -> None:
         """Wait until the last asynchronous message has left (before the next one, and at teardown)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
@@ -115,6 +116,8 @@ def _stack_summary(depth: int) -> str:
 
 def _storage_of(t: torch.Tensor) -> tuple[tuple[str, int], torch.UntypedStorage] | None:
     """``((device, data_ptr), storage)`` of a tensor with real, non-empty memory; None otherwise."""
+    if isinstance(t, FakeTensor):  # a meta tensor dressed as another device (export keeps some): no memory
+        return None
     try:
         if t.device.type == "meta" or t.is_sparse:
             return None

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.runtime import PipelineRunner
 from lightning_autopart.strategy import AutoPartitionStrategy
-from tests.distributed.strategy_cases import fit
+from tests.census import StepProbe
+from tests.distributed.strategy_cases import STEPS, fit
 
 __all__: list[str] = []
 
@@ -40,8 +41,9 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         return step(self, *args, sync=sync, **kwargs)
 
     PipelineRunner.step = spied  # type: ignore[method-assign]
+    probe = StepProbe(1, STEPS)  # host syncs of the steady steps (the first builds the schedules)
     try:
-        model, losses, metrics = fit(case, strategy, devices, devices // case["stages"])
+        model, losses, metrics = fit(case, strategy, devices, devices // case["stages"], probe)
     finally:
         PipelineRunner.step = step  # type: ignore[method-assign]
     local = {id(p) for p in strategy._params}
@@ -54,6 +56,7 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         "plan_stages": strategy.plan.num_stages if strategy.plan else 0,
         "syncs": syncs,
         "held_elsewhere": held,
+        "host_syncs": probe.syncs,
     }
 
 

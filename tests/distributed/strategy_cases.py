@@ -143,14 +143,15 @@ class _Losses(L.Callback):
 
 
 def fit(
-    case: dict[str, Any], strategy: Any, devices: int, replicas: int
+    case: dict[str, Any], strategy: Any, devices: int, replicas: int, probe: L.Callback | None = None
 ) -> tuple[Lit, list[float], dict[str, float]]:
     """Train a case for ``STEPS`` optimizer steps; each batch holds ``LOCAL_BATCH x replicas`` samples in all.
 
     Case options: ``accumulate`` (gradient accumulation), ``clip`` (gradient norm clipping), ``validate`` (a validation loader, a
     ``ModelCheckpoint(monitor="val_loss")`` writing to ``ckpt_dir``), ``precision`` ("bf16-mixed", or "16-mixed"
     with a GradScaler of initial scale ``scale``, 2**16 by default). Returns the model, the logged ``train_loss``
-    per batch and the final callback metrics (with the gradient scaler's final "scale").
+    per batch and the final callback metrics (with the gradient scaler's final "scale"). ``probe`` is one more
+    callback (tests/census.py's StepProbe).
     """
     model = make_lit(case)
     accumulate = case.get("accumulate", 1)
@@ -161,7 +162,7 @@ def fit(
         batch = LOCAL_BATCH * replicas
         data = Subset(data, global_order(n, replicas))
     losses = _Losses()
-    callbacks: list[L.Callback] = [losses]
+    callbacks: list[L.Callback] = [losses, *([probe] if probe is not None else [])]
     val = None
     if case.get("validate"):
         val = DataLoader(dataset(case["model"], 2 * LOCAL_BATCH * replicas), batch_size=batch)
