@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import run_job
 from tests.census import StepProbe
+from tests.distributed.launch import run_job
 from tests.distributed.strategy_cases import STEPS, fit
 
 pytestmark = pytest.mark.distributed
