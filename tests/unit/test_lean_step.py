@@ -9,7 +9,6 @@ cycle keeps costs device memory until the collector runs), and the peak follows 
 from __future__ import annotations
 
 import gc
-import socket
 from typing import Any
 
 import lightning as L
@@ -69,15 +68,6 @@ def _probe(strategy: Any) -> dict[str, list[int]]:
     assert len(probe.syncs) == STOP - START
     # Numbers only: Lightning gives callbacks the module's bound log method, so the probe would keep the model alive.
     return {"syncs": probe.syncs, "live": probe.live, "peaks": probe.peaks}
-
-
-@pytest.fixture
-def master_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
 
 
 @pytest.fixture(scope="module")

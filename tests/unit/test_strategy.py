@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,6 @@ from lightning_autopart.runtime import move_in_place
 from lightning_autopart.strategy import AutoPartitionStrategy
 from tests.distributed.strategy_cases import Lit, dataset, fit
 from tests.models import make
-
-
-@pytest.fixture
-def master_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A free port for the one-process group the strategy creates (the environment is restored by conftest)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
 
 
 def _trainer(strategy: AutoPartitionStrategy, max_steps: int = 2) -> L.Trainer:
