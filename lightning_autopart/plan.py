@@ -80,8 +80,12 @@ class StagePlan:
     activation_bytes: int
     #: Micro-batches whose activations the stage holds at peak under the schedule.
     in_flight: int
-    #: Predicted peak memory on one device: params + grads + optimizer + activations + buffers.
+    #: Predicted peak memory on one device: params + grads + optimizer + activations + transient + buffers.
     memory_bytes: int
+    #: Backward's transient peak on one device (one micro-batch's gradients and temporaries).
+    transient_bytes: int = 0
+    #: The optimizer step over the stage's parameters, once per step, microseconds.
+    optimizer_us: float = 0.0
 
     @property
     def replicas(self) -> int:
@@ -107,6 +111,8 @@ class Prediction:
     samples_per_s: float
     #: Largest predicted per-device memory over all stages.
     peak_memory_bytes: int
+    #: Optimizer step of the bottleneck stage, after its all-reduce.
+    optimizer_us: float = 0.0
 
 
 @dataclass(frozen=True)

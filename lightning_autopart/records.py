@@ -2,7 +2,15 @@
 
 These records import nothing from torch, so the planner, the plan files and the CLI's ``show`` can use them
 anywhere. Every field carries its unit in its name (``fwd_us``, ``activation_bytes``). Times and activation
-sizes are given at ``ModelProfile.batch_size`` samples and scale as ``fixed + per_sample * batch``.
+sizes are given at ``ModelProfile.batch_size`` samples.
+
+[Note: cost curves] A block's cost is not linear in the batch: a ``Linear(5000, 5000)`` at 2 samples is bound by
+reading its weight, at 512 by its FLOPs. So a block also carries a curve: its costs at several batch sizes,
+``(samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes)`` rising in ``samples``. Between two
+points a cost is linear (an estimate puts points at every size where an operation turns from memory- to
+compute-bound, so it is exact there; a measurement times sizes up to the largest micro-batch), beyond the last
+point it follows the last segment, and below the first (curves start at one sample) it is the first point's.
+:func:`cost_at` reads it; a profile without curves scales the fields as ``fixed + per_sample * batch``.
 """
 
 from __future__ import annotations
@@ -14,7 +22,10 @@ from typing import Any
 
 from lightning_autopart.errors import ConfigError
 
-__all__ = ["BlockProfile", "ModelProfile", "TiedParam", "optimizer_state_factor"]
+__all__ = ["BlockCostAt", "BlockProfile", "CostPoint", "ModelProfile", "TiedParam", "cost_at", "optimizer_state_factor"]
+
+#: One point of a cost curve: (samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes).
+CostPoint = tuple[int, float, float, int, int, int]
 
 #: Optimizer state kept per parameter, in multiples of the parameter's own bytes.
 _OPTIMIZER_STATE_FACTORS: dict[str, float] = {
@@ -73,7 +84,52 @@ class BlockProfile:
     cut_bytes: int
     #: Forward floating-point operations at ``batch_size`` (0 when unknown).
     fwd_flops: float = 0.0
+    #: Bytes allocated at the peak of the block's forward and backward beyond its parameters and the tensors it
+    #: saves (the gradients and temporaries of backward), at ``batch_size``.
+    transient_bytes: int = 0
+    #: The block's costs at several batch sizes (see [Note: cost curves]); empty: linear in the batch.
+    curve: tuple[CostPoint, ...] = ()
+    #: Time of the optimizer step over the parameters this block owns, once per step (memory bound).
+    optimizer_us: float = 0.0
 
+
+@dataclass(frozen=True, slots=True)
+class BlockCostAt:
+    """A block's costs at one batch size."""
+
+    fwd_us: float
+    bwd_us: float
+    activation_bytes: int
+    transient_bytes: int
+    cut_bytes: int
+
+
+def cost_at(block: BlockProfile, samples: int, batch_size: int) -> BlockCostAt:
+    """``block``'s costs at ``samples`` (see [Note: cost curves]); ``batch_size`` is its profile's batch."""
+    curve = block.curve
+    if not curve:
+        scale = samples / batch_size
+        return BlockCostAt(
+            block.fwd_fixed_us + (block.fwd_us - block.fwd_fixed_us) * scale,
+            block.bwd_fixed_us + (block.bwd_us - block.bwd_fixed_us) * scale,
+            -(-block.activation_bytes * samples // batch_size),
+            -(-block.transient_bytes * samples // batch_size),
+            -(-block.cut_bytes * samples // batch_size),
+        )
+    if samples <= curve[0][0] or len(curve) == 1:
+        lo = hi = curve[0]
+    else:
+        k = 1
+        while k < len(curve) - 1 and curve[k][0] < samples:
+            k += 1
+        lo, hi = curve[k - 1], curve[k]
+    span = hi[0] - lo[0]
+    t = (samples - lo[0]) / span if span else 0.0
+
+    def at(i: int) -> float:
+        return max(0.0, lo[i] + (hi[i] - lo[i]) * t)
+
+    return BlockCostAt(at(1), at(2), int(-(-at(3) // 1)), int(-(-at(4) // 1)), int(-(-at(5) // 1)))
 
 @dataclass(frozen=True, slots=True)
 class TiedParam:
@@ -145,6 +201,7 @@ class ModelProfile:
                     **b,
                     "modules": tuple(b["modules"]),
                     "param_shapes": tuple((n, tuple(s)) for n, s in b["param_shapes"]),
+                    "curve": tuple(tuple(p) for p in b.get("curve", ())),
                 }
             )
             for b in data["blocks"]

@@ -56,22 +56,22 @@ def _stage_table(plan: Plan) -> Table:
     ranks = plan.num_stages // plan.chunks_per_rank
     virtual = f"; stage s runs on the ranks of stage s mod {ranks}" if plan.chunks_per_rank > 1 else ""
     table = Table(
-        title=f"Stages (times per micro-batch of {mb} sample{'s' if mb != 1 else ''}; all-reduce once per step"
-        f"{virtual})",
+        title=f"Stages (ms per {mb}-sample micro-batch; all-reduce, optimizer per step{virtual})",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
     table.add_column("Stage", justify="right")
     table.add_column("Blocks", justify="right", no_wrap=True)
-    table.add_column("Names", max_width=34, overflow="ellipsis", no_wrap=True)
+    table.add_column("Names", max_width=28, overflow="ellipsis", no_wrap=True)
     table.add_column("Params", justify="right")
     table.add_column("Replicas × ranks", no_wrap=True)
     table.add_column("Ckpt", justify="center")
-    table.add_column("Fwd ms", justify="right")
-    table.add_column("Bwd ms", justify="right")
-    table.add_column("P2P ms", justify="right")
-    table.add_column("All-reduce ms", justify="right")
+    table.add_column("Fwd", justify="right")
+    table.add_column("Bwd", justify="right")
+    table.add_column("P2P", justify="right")
+    table.add_column("All-reduce", justify="right")
+    table.add_column("Optim", justify="right")
     slowest = max(s.fwd_us + s.bwd_us for s in plan.stages)
     for s in plan.stages:
         bottleneck = s.fwd_us + s.bwd_us == slowest and plan.num_stages > 1
@@ -86,6 +86,7 @@ def _stage_table(plan: Plan) -> Table:
             Text(format_ms(s.bwd_us), style="bold" if bottleneck else ""),
             format_ms(s.p2p_us),
             format_ms(s.allreduce_us),
+            format_ms(s.optimizer_us),
         )
     return table
 
@@ -100,7 +101,7 @@ def _memory_table(plan: Plan) -> Table:
         pad_edge=False,
     )
     table.add_column("Stage" if plan.chunks_per_rank == 1 else "Stages", justify="right")
-    for name in ("Params", "Grads", "Optimizer", "Activations", "Total"):
+    for name in ("Params", "Grads", "Optimizer", "Activations", "Transient", "Total"):
         table.add_column(name, justify="right")
     table.add_column("In-flight mb", justify="right")
     table.add_column(f"Of {format_bytes(c.device_memory_bytes)}", no_wrap=True)
@@ -123,7 +124,7 @@ def stages_by_rank(plan: Plan) -> list[tuple[StagePlan, ...]]:
 
 
 #: StagePlan fields that add up to a device's memory, in table order.
-_MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+_MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes")
 
 
 def _summary(plan: Plan) -> Table:
@@ -152,6 +153,7 @@ def _summary(plan: Plan) -> Table:
         ("bubble", p.bubble_us),
         ("p2p", p.p2p_us),
         ("all-reduce", p.allreduce_us),
+        ("optimizer", p.optimizer_us),
     ]
     shares = " + ".join(f"{name} {format_ms(us)}{_share(us, p.step_us)}" for name, us in parts)
     grid.add_row("Step time", Text.assemble((f"{format_ms(p.step_us)} ms", "bold"), f" = {shares}"))

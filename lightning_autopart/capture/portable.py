@@ -72,8 +72,9 @@ def make_portable(program: fx.GraphModule, home: torch.device | None, switch: Mo
         if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
             program.graph.erase_node(node)
     _follow_device(program, home)
-    if _follow_mode(program.graph, switch):
-        setattr(program, MODES_ATTRIBUTE, switch)
+    setattr(program, MODES_ATTRIBUTE, switch)  # before the graph reads it (fx checks get_attr targets)
+    if not _follow_mode(program.graph, switch):
+        delattr(program, MODES_ATTRIBUTE)
     program.recompile()
 
 

@@ -62,6 +62,8 @@ def build_plan(
                 activation_bytes=sc.activation_bytes,
                 in_flight=sc.in_flight,
                 memory_bytes=sc.memory_bytes,
+                transient_bytes=sc.transient_bytes,
+                optimizer_us=sc.optimizer_us,
             )
         )
     bn = ev.stages[ev.bottleneck]
@@ -75,6 +77,7 @@ def build_plan(
         allreduce_us=v * bn.allreduce_us,
         samples_per_s=batch_size / (step / 1e6) if step > 0 else float("inf"),
         peak_memory_bytes=ev.peak_memory_bytes,
+        optimizer_us=v * bn.optimizer_us,
     )
     ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
     notes = dict(notes)
@@ -105,7 +108,7 @@ def build_plan(
 
 def memory_table(ev: Evaluation) -> str:
     """Per-stage memory table (params / grads / optimizer / activations / total vs limit) of ``ev``."""
-    head = ("stage", "blocks", "params", "grads", "optimizer", "activations", "total", "limit", "")
+    head = ("stage", "blocks", "params", "grads", "optimizer", "activations", "transient", "total", "limit", "")
     rows = []
     stages = list(ev.stages)
     over = [s for s in stages if not s.fits]
@@ -120,6 +123,7 @@ def memory_table(ev: Evaluation) -> str:
                 format_bytes(s.grad_bytes),
                 format_bytes(s.optimizer_bytes),
                 format_bytes(s.activation_bytes + s.buffer_bytes),
+                format_bytes(s.transient_bytes),
                 format_bytes(s.memory_bytes),
                 format_bytes(s.limit_bytes),
                 "OVER" if not s.fits else "ok",

@@ -1,35 +1,38 @@
 """The planner's cost model: time and memory of a pipeline stage, and the step time of a whole partition.
 
-Notation: ``L`` blocks profiled at ``b0`` samples; global batch ``B``; ``r`` replicas; pipeline depth ``S``;
-``v`` chunks per rank (2 for Interleaved1F1B, else 1); ``V = S*v`` virtual stages; ``M`` micro-batches of
-``m = B / (r*M)`` samples. A (virtual) stage ``k`` holds blocks ``[i, j)`` and sits at position ``p = k % S``.
+Notation: ``L`` blocks; global batch ``B``; ``r`` replicas; pipeline depth ``S``; ``v`` chunks per rank (2 for
+Interleaved1F1B, else 1); ``V = S*v`` virtual stages; ``M`` micro-batches of ``m = B / (r*M)`` samples. A
+(virtual) stage ``k`` holds blocks ``[i, j)`` and sits at position ``p = k % S``.
 
-Per block at ``m`` samples::
+Per block at ``m`` samples, read off its cost curve (see [Note: cost curves] in records.py)::
 
-    f_k = fwd_fixed_us + (fwd_us - fwd_fixed_us) * m / b0         (likewise b_k for backward)
-    a_k = activation_bytes * m / b0,   c_k = cut_bytes * m / b0,   c_{-1} = c_in = input_bytes * m / b0
+    f_k, b_k     forward and backward time (the last block carries the loss that training_step computes)
+    a_k          bytes saved for backward,   x_k  bytes of backward's transient peak (gradients, temporaries)
+    c_k          bytes crossing the cut after block k,   c_{-1} = c_in = the model's input bytes
+    o_k          the optimizer step over the block's parameters (once per step, independent of m)
 
-Per stage, with prefix sums so that every interval costs O(1)::
+Per stage, with prefix sums (and a sparse table for the range maximum) so that every interval costs O(1)::
 
-    F = sum f_k, Bw = sum b_k                                 over k in [i, j)
+    F = sum f_k, Bw = sum b_k, O = sum o_k                    over k in [i, j)
     static = params + grads + optimizer + buffers            (+ a full copy of each tied parameter the
                                                               stage uses but whose owner block it lacks)
     in_flight = M (GPipe) | min(S - p, M) (1F1B)
               | min(M, ceil((S - p) * (1 + (S - 1) / (S*v))))  (Interleaved1F1B, per chunk)
-    memory_off = static + in_flight * sum a_k
-    memory_on  = static + in_flight * c_{i-1} + sum a_k      (checkpointing: keep only the stage input per
+    X = max x_k                                                 (one micro-batch's backward at a time)
+    memory_off = static + in_flight * sum a_k + X
+    memory_on  = static + in_flight * c_{i-1} + sum a_k + X  (checkpointing: keep only the stage input per
                                                               micro-batch, recompute one micro-batch at a time)
     checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
     p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
     t = F + Bw + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
     a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
-    w = K * t + v * a,   K = v*M + S - 1
+    w = K * t + v * (a + O),   K = v*M + S - 1
 
 and the step time of a partition is ``T = max over virtual stages of w`` (a synchronous clock: every tick lasts
-as long as the slowest stage; a stage's all-reduce follows its last backward). Links and all-reduce groups are
-intra- or inter-node per the rank layout (:mod:`.placement`). A device's peak memory is the sum over the
-chunks it holds (one chunk unless interleaved). Memory is compared in exact integers
-(``v * (b0 * static + m * activation_units) <= b0 * usable``), so feasibility never depends on rounding.
+as long as the slowest stage; a stage's all-reduce follows its last backward, its optimizer step follows that).
+Links and all-reduce groups are intra- or inter-node per the rank layout (:mod:`.placement`). A device's peak
+memory is the sum over the chunks it holds (one chunk unless interleaved). Memory is compared in exact integer
+bytes (``v * memory <= usable``), so feasibility never depends on rounding.
 
 :func:`evaluate` scores any given partition with exactly these formulas; the DP (:mod:`.dp`) evaluates the
 same expressions in the same order, so its optimum and a brute force over :func:`evaluate` agree.
@@ -43,7 +46,7 @@ from itertools import pairwise
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition.placement import LAYOUTS, link_pattern
-from lightning_autopart.partition.tables import CostTables, TiedCopy
+from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
 from lightning_autopart.plan import SCHEDULES
 from lightning_autopart.records import ModelProfile
 
@@ -143,6 +146,8 @@ class ConfigCosts:
     checkpointing: bool
     pf: list[float]
     pb: list[float]
+    #: The tables of the micro-batch size ``m``.
+    at: SizeTables
     #: Per virtual stage: in-flight micro-batches, p2p arrays of its input and output links, all-reduce terms.
     in_flight: list[int] = field(default_factory=list)
     p2p_in: list[list[float]] = field(default_factory=list)
@@ -156,8 +161,8 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cl = tables.cluster
     s, r, v = cfg.stages, cfg.replicas, cfg.chunks
     m = batch_size // (r * cfg.micro_batches)
-    pf, pb, _ = tables.times(m)
-    cc = ConfigCosts(cfg, m, v, cfg.ticks, checkpointing, pf, pb)
+    at = tables.at(m)
+    cc = ConfigCosts(cfg, m, v, cfg.ticks, checkpointing, at.pf, at.pb, at)
     pat = link_pattern(s, r, cl.devices_per_node, cfg.layout)
     intra, inter = tables.p2p(m, True), tables.p2p(m, False)
     out = [intra if x else inter for x in pat.p2p_intra]
@@ -188,7 +193,9 @@ class StageCost:
     bwd_us: float
     p2p_us: float
     allreduce_us: float
-    #: Per-micro-batch time ``t`` and the stage's step-time term ``w = K*t + v*a``.
+    #: The optimizer step over the stage's parameters, once per step.
+    optimizer_us: float
+    #: Per-micro-batch time ``t`` and the stage's step-time term ``w = K*t + v*(a + O)``.
     time_us: float
     term_us: float
     param_bytes: int
@@ -196,6 +203,8 @@ class StageCost:
     optimizer_bytes: int
     buffer_bytes: int
     activation_bytes: int
+    #: Backward's transient peak (one micro-batch's gradients and temporaries).
+    transient_bytes: int
     in_flight: int
     memory_bytes: int
     limit_bytes: int
@@ -204,22 +213,23 @@ class StageCost:
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
     """Cost of virtual stage ``k`` holding blocks ``[i, j)``; when it does not fit, the smaller memory is shown."""
-    v, m, b0 = cc.v, cc.m, tables.b0
+    v, at, cap = cc.v, cc.at, tables.cap
     tp, tg, to, tn = tables.tied_extra(i, j)
     st = tables.static[j] - tables.static[i] + tp + tg + to
-    a_sum = tables.acts[j] - tables.acts[i]
+    a_sum = at.acts[j] - at.acts[i]
+    trans = at.transient(i, j)
     infl = cc.in_flight[k]
-    units_off = infl * a_sum
-    units_on = infl * tables.stage_input[i] + a_sum
+    act_off = infl * a_sum
+    act_on = infl * at.stage_input[i] + a_sum
     fits = True
-    if v * (b0 * st + m * units_off) <= tables.cap:
-        ck, units = False, units_off
-    elif cc.checkpointing and v * (b0 * st + m * units_on) <= tables.cap:
-        ck, units = True, units_on
+    if v * (st + act_off + trans) <= cap:
+        ck, act = False, act_off
+    elif cc.checkpointing and v * (st + act_on + trans) <= cap:
+        ck, act = True, act_on
     else:
         fits = False
-        ck = cc.checkpointing and units_on < units_off
-        units = units_on if ck else units_off
+        ck = cc.checkpointing and act_on < act_off
+        act = act_on if ck else act_off
     pf, pb = cc.pf, cc.pb
     f = pf[j] - pf[i]
     fb = f + (pb[j] - pb[i])
@@ -229,8 +239,8 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     t = comp + pin + pout
     grad = tables.grads[j] - tables.grads[i] + tg
     a = cc.ar_coef[k] * grad + cc.ar_const[k] if cc.cfg.replicas > 1 else 0.0
-    w = cc.ticks * t + v * a if cc.cfg.replicas > 1 else cc.ticks * t
-    act = -(-m * units // b0)
+    opt = tables.opt_us[j] - tables.opt_us[i] + tables.tied_optimizer_us(i, j)
+    w = cc.ticks * t + v * (a + opt)
     buf = tables.buffers[j] - tables.buffers[i]
     return StageCost(
         index=k,
@@ -242,6 +252,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         bwd_us=comp - f,
         p2p_us=pin + pout,
         allreduce_us=a,
+        optimizer_us=opt,
         time_us=t,
         term_us=w,
         param_bytes=tables.params[j] - tables.params[i] + tp,
@@ -249,8 +260,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
         activation_bytes=act,
+        transient_bytes=trans,
         in_flight=infl,
-        memory_bytes=st + act,
+        memory_bytes=st + act + trans,
         limit_bytes=tables.usable // v,
         param_count=tables.counts[j] - tables.counts[i] + tn,
     )

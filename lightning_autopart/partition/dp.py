@@ -49,27 +49,30 @@ class Relaxation:
     With ``n0`` the fewest in-flight micro-batches of any position and ``c0`` the smallest stage input, a stage
     of blocks ``[i, j)`` with term ``w <= tau`` lies in one of two families:
 
-    - plain: ``static + n0*sum a_k <= limit`` and ``K*(F + Bw) + v*a_min <= tau``;
-    - checkpointed: ``static + sum a_k + n0*c0 <= limit`` and ``K*(2F + Bw) + v*a_min <= tau``;
+    - plain: ``static + n0*sum a_k <= limit`` and ``K*(F + Bw) + v*(a_min + O) <= tau``;
+    - checkpointed: ``static + sum a_k + n0*c0 <= limit`` and ``K*(2F + Bw) + v*(a_min + O) <= tau``;
 
-    where ``a_min`` is the all-reduce at the best bandwidth the replica count allows. Every quantity is a prefix
-    difference (``pm_off``/``pm_on`` for memory, ``pr_off``/``pr_on`` for time, ``R = scale*diff + const``), so
-    each family is monotone under interval containment, and so is their union.
+    where ``a_min`` is the all-reduce at the best bandwidth the replica count allows (backward's transient, a
+    range maximum, is left out: the bounds stay lower bounds). Every quantity is a prefix difference
+    (``pm_off``/``pm_on`` for memory, ``pr_off``/``pr_on`` for time, ``R = scale*diff + const``), so each family
+    is monotone under interval containment, and so is their union.
     """
 
     def __init__(self, tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> None:
         cl = tables.cluster
         r, v, kk = cfg.replicas, cfg.chunks, cfg.ticks
         m = batch_size // (r * cfg.micro_batches)
+        at = tables.at(m)
         fb = tables.fb_prefix(m)
         n0 = min(in_flight(cfg.schedule, cfg.stages, p, cfg.micro_batches) for p in (0, cfg.stages - 1))
         self.cap = tables.cap
         #: One micro-batch of activations: the bound used for the memory objective of :func:`solve_memory`.
         self.pm = tables.memory_prefix(m, v, 1)
         self.pm_off = tables.memory_prefix(m, v, n0)
-        self.cap_on = self.cap - v * m * n0 * min(tables.stage_input) if checkpointing else -1
+        self.cap_on = self.cap - v * n0 * min(at.stage_input) if checkpointing else -1
         self.ck = self.cap_on >= 0
         f2b = tables.fb_prefix(m, recompute=True) if self.ck else fb
+        opt = tables.opt_us
         if r > 1:
             bw = (
                 cl.inter_allreduce_bw
@@ -78,16 +81,16 @@ class Relaxation:
             )
             coef = v * (2 * (r - 1) / r / bw * 1e6)
             self.const = v * (2 * (r - 1) * cl.latency_us)
-            self.scale = 1.0
-            self.pr = [kk * a + coef * g for a, g in zip(fb, tables.grads, strict=True)]
+            gr = tables.grads
+            self.pr = [kk * a + coef * g + v * o for a, g, o in zip(fb, gr, opt, strict=True)]
             self.pr_on = (
-                [kk * a + coef * g for a, g in zip(f2b, tables.grads, strict=True)] if self.ck else self.pr
+                [kk * a + coef * g + v * o for a, g, o in zip(f2b, gr, opt, strict=True)] if self.ck else self.pr
             )
         else:
             self.const = 0.0
-            self.scale = float(kk)
-            self.pr = fb
-            self.pr_on = f2b
+            self.pr = [kk * a + v * o for a, o in zip(fb, opt, strict=True)]
+            self.pr_on = [kk * a + v * o for a, o in zip(f2b, opt, strict=True)] if self.ck else self.pr
+        self.scale = 1.0
         self.num_blocks = tables.num_blocks
         self.num_stages = cfg.virtual_stages
 
@@ -219,11 +222,11 @@ def solve(
         return None
     n, nv = tables.num_blocks, cc.cfg.virtual_stages
     start, room, cap = relax.start, relax.room(tau), tables.cap
-    pf, pb, ps, pa, pg = cc.pf, cc.pb, tables.static, tables.acts, tables.grads
-    cin = tables.stage_input
+    at = cc.at
+    pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
+    cin, trans = at.stage_input, at.transient
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
-    vb0, vm = v * tables.b0, v * cc.m
     multi = cc.cfg.replicas > 1
     # The largest finite value a cell may take: unreachable states (INF) then fail ``pv > lim`` at once.
     top = tau if tau < INF else _HUGE
@@ -235,14 +238,13 @@ def solve(
         jlo, jhi = bands[s]
         plo, phi = bands[s - 1]
         infl = cc.in_flight[k]
-        vmi = vm * infl
         pin, pout = cc.p2p_in[k], cc.p2p_out[k]
         coef, cst = cc.ar_coef[k], cc.ar_const[k]
         cur = [INF] * (n + 1)
         arg = [-1] * (n + 1)
         first = last = -1
         for j in range(jlo, jhi + 1):
-            pfj, pbj, psj, paj, pgj, po = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j]
+            pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
             ilo = max(plo, start(j, room))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -255,20 +257,22 @@ def solve(
                     break
                 st = psj - ps[i]
                 gr = pgj - pg[i]
+                opt = ooj - po_[i]
                 if tied:
                     for tc in tied:
                         if i > tc.owner and tc.next_user[i] < j:
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                             gr += tc.grad_bytes
+                            opt += tc.optimizer_us
                 a_sum = paj - pa[i]
-                base = vb0 * st
-                if base + vmi * a_sum <= cap:
+                base = st + trans(i, j)
+                if v * (base + infl * a_sum) <= cap:
                     t = fb + pin[i] + po
-                elif ck and base + vm * (infl * cin[i] + a_sum) <= cap:
+                elif ck and v * (base + infl * cin[i] + a_sum) <= cap:
                     t = fb + f + pin[i] + po
                 else:
                     continue
-                w = kk * t + v * (coef * gr + cst) if multi else kk * t
+                w = kk * t + v * (coef * gr + cst + opt) if multi else kk * t + v * opt
                 if w < pv:
                     w = pv
                 if w <= lim and w < best:
@@ -301,7 +305,7 @@ def solve_memory(
 ) -> tuple[float, tuple[int, ...]] | None:
     """Partition minimising the largest ``memory / limit`` over stages (fitting or not), among those ``<= tau``.
 
-    Same recurrence as :func:`solve` with ``w = v * (b0*static + m*units) / (b0*usable)``, where a stage takes
+    Same recurrence as :func:`solve` with ``w = v * memory / usable``, where a stage takes
     whichever of plain or checkpointed memory is smaller (plain only without checkpointing). Used to find the
     closest plan when nothing fits. Bands come from the monotone lower bound ``static + sum a_k``. Returns None
     when no partition is ``<= tau`` or when ``budget`` runs out first (then the caller keeps what it has).
@@ -326,9 +330,9 @@ def solve_memory(
         lo[s] = pos = min(i, pos)
     if lo[0] > 0:
         return None
-    ps, pa, cin, tied = tables.static, tables.acts, tables.stage_input, tables.tied
+    at = cc.at
+    ps, pa, cin, trans, tied = tables.static, at.acts, at.stage_input, at.transient, tables.tied
     v, ck = cc.v, cc.checkpointing
-    vb0, vm = v * tables.b0, v * cc.m
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
     prev[0] = 0.0
@@ -357,7 +361,7 @@ def solve_memory(
                     for tc in tied:
                         if i > tc.owner and tc.next_user[i] < j:
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
-                w = (vb0 * st + vm * units) / cap
+                w = v * (st + units + trans(i, j)) / cap
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

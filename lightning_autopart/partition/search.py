@@ -131,9 +131,8 @@ def enumerate_configs(
     total_grad = tables.grads[-1]
     lat = cl.latency_us
     best_p2p = max(cl.intra_node_bw, cl.inter_node_bw) if cl.devices_per_node > 1 else cl.inter_node_bw
-    min_cut = min(tables.cuts[:-1]) if n > 1 else 0
     block_mem = [s - p for p, s in pairwise(tables.static)]
-    block_act = [a - p for p, a in pairwise(tables.acts)]
+    total_opt = tables.opt_us[-1]
     rs = [cons.replicas] if cons.replicas is not None else [r for r in divisors(batch) if r <= world]
     entries: list[tuple[float, int, int, int, int]] = []
     valid = infeasible = 0
@@ -156,10 +155,12 @@ def enumerate_configs(
             ar_lat = 2 * (r - 1) * lat
         for mb in ms:
             m = per // mb
-            pf, pb, big = tables.times(m)
+            at = tables.at(m)
+            pf, pb, big = at.pf, at.pb, at.big
             total = pf[-1] + pb[-1]
-            p2p_min = min_cut * m / tables.b0 / best_p2p * 1e6 + lat
-            one_block = max(tables.b0 * s + m * a for s, a in zip(block_mem, block_act, strict=True))
+            p2p_min = (min(at.cuts[:-1]) if n > 1 else 0) / best_p2p * 1e6 + lat
+            acts = [a - p for p, a in pairwise(at.acts)]
+            one_block = max(s + a for s, a in zip(block_mem, acts, strict=True))
             for s in ss:
                 for si, sched in enumerate(scheds):
                     if not _valid_schedule(sched, s, mb):
@@ -174,7 +175,7 @@ def enumerate_configs(
                         continue
                     k = v * mb + s - 1
                     avg = total / nv + (2 * (nv - 1) / nv) * p2p_min
-                    lb = k * avg + (v * (ar_total / nv + ar_lat) if r > 1 else 0.0)
+                    lb = k * avg + v * total_opt / nv + (v * (ar_total / nv + ar_lat) if r > 1 else 0.0)
                     lb = max(lb, k * big)
                     entries.append((lb, s, r, mb, si))
     return entries, valid, infeasible

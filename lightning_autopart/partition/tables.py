@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.records import ModelProfile, optimizer_state_factor
+from lightning_autopart.records import ModelProfile, cost_at, optimizer_state_factor
 
-__all__ = ["CostTables", "TiedCopy"]
+__all__ = ["CostTables", "RangeMax", "SizeTables", "TiedCopy"]
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
 
@@ -25,6 +25,48 @@ class TiedCopy:
     grad_bytes: int
     optimizer_bytes: int
     param_count: int
+    #: Optimizer step time of the copy (the owner block's, in proportion to the parameter's bytes).
+    optimizer_us: float = 0.0
+
+
+class RangeMax:
+    """The largest of ``values[i:j]`` in O(1) (a sparse table, O(L log L) to build)."""
+
+    def __init__(self, values: list[int]) -> None:
+        self._levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self._levels[-1]
+            self._levels.append([max(prev[i], prev[i + width]) for i in range(len(values) - 2 * width + 1)])
+            width *= 2
+
+    def __call__(self, i: int, j: int) -> int:
+        """``max(values[i:j])`` (0 for an empty range)."""
+        if j <= i:
+            return 0
+        level = (j - i).bit_length() - 1
+        row = self._levels[level]
+        return max(row[i], row[j - (1 << level)])
+
+
+@dataclass(frozen=True, slots=True)
+class SizeTables:
+    """Everything that depends on the micro-batch size ``m``, from the blocks' cost curves.
+
+    ``pf``/``pb``: prefix sums of forward and backward time; ``big``: the largest ``f_k + b_k``; ``acts``:
+    prefix sums of saved-activation bytes; ``stage_input[i]``: bytes a stage starting at block ``i`` receives;
+    ``cuts[k]``: bytes crossing the cut after block ``k``; ``transient(i, j)``: the largest backward transient
+    of blocks ``[i, j)``.
+    """
+
+    m: int
+    pf: list[float]
+    pb: list[float]
+    big: float
+    acts: list[int]
+    stage_input: list[int]
+    cuts: list[int]
+    transient: RangeMax
 
 
 def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
@@ -50,6 +92,7 @@ def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
         if count == 0:
             count = t.param_bytes // _ITEMSIZE.get(profile.dtype, 4)
         trainable = blocks[owner].grad_bytes > 0
+        share = t.param_bytes / blocks[owner].param_bytes if blocks[owner].param_bytes else 0.0
         nxt = [n] * (n + 1)
         k, cur = len(users) - 1, n
         for i in range(n, -1, -1):
@@ -66,6 +109,7 @@ def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
                 t.param_bytes if trainable else 0,
                 round(t.param_bytes * factor) if trainable else 0,
                 count,
+                blocks[owner].optimizer_us * share if trainable else 0.0,
             )
         )
     return tuple(copies)
@@ -81,7 +125,7 @@ def _prefix(values: list[int]) -> list[int]:
 
 
 class CostTables:
-    """Prefix sums of one profile on one cluster; micro-batch-size dependent tables are built once per size."""
+    """Prefix sums of one profile on one cluster; the tables of each micro-batch size are built once per size."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster) -> None:
         if not profile.blocks:
@@ -93,8 +137,8 @@ class CostTables:
         self.cluster = cluster
         self.num_blocks = len(blocks)
         self.b0 = profile.batch_size
-        self.usable = cluster.usable_memory_bytes
-        self.cap = self.b0 * self.usable
+        #: Bytes one device may use (memory compares are in exact integers).
+        self.usable = self.cap = cluster.usable_memory_bytes
         self.params = _prefix([b.param_bytes for b in blocks])
         self.grads = _prefix([b.grad_bytes for b in blocks])
         self.optim = _prefix([b.optimizer_bytes for b in blocks])
@@ -103,36 +147,42 @@ class CostTables:
         self.static = _prefix(
             [b.param_bytes + b.grad_bytes + b.optimizer_bytes + b.buffer_bytes for b in blocks]
         )
-        self.acts = _prefix([b.activation_bytes for b in blocks])
-        #: ``stage_input[i]``: bytes (at b0) a stage starting at block i receives.
-        self.stage_input = [profile.input_bytes] + [b.cut_bytes for b in blocks[:-1]]
-        self.cuts = [b.cut_bytes for b in blocks]
+        #: Prefix sums of the optimizer step's time (once per step, independent of the micro-batch).
+        self.opt_us = _prefix_float([b.optimizer_us for b in blocks])
         self.tied = _tied_copies(profile)
-        self._times: dict[int, tuple[list[float], list[float], float]] = {}
+        self._sizes: dict[int, SizeTables] = {}
         self._fb: dict[tuple[int, bool], list[float]] = {}
         self._mem: dict[tuple[int, int, int], list[int]] = {}
         self._p2p: dict[tuple[int, bool], list[float]] = {}
 
+    def at(self, m: int) -> SizeTables:
+        """The tables of micro-batch size ``m`` (see :class:`SizeTables`)."""
+        got = self._sizes.get(m)
+        if got is None:
+            costs = [cost_at(b, m, self.b0) for b in self.profile.blocks]
+            pf, pb = [0.0], [0.0]
+            for c in costs:
+                pf.append(pf[-1] + c.fwd_us)
+                pb.append(pb[-1] + c.bwd_us)
+            cuts = [c.cut_bytes for c in costs]
+            first = -(-self.profile.input_bytes * m // self.b0)
+            got = SizeTables(
+                m=m,
+                pf=pf,
+                pb=pb,
+                big=max(c.fwd_us + c.bwd_us for c in costs),
+                acts=_prefix([c.activation_bytes for c in costs]),
+                stage_input=[first, *cuts[:-1]],
+                cuts=cuts,
+                transient=RangeMax([c.transient_bytes for c in costs]),
+            )
+            self._sizes[m] = got
+        return got
+
     def times(self, m: int) -> tuple[list[float], list[float], float]:
         """Prefix sums of forward and backward time at ``m`` samples, and the largest ``f_k + b_k``."""
-        got = self._times.get(m)
-        if got is None:
-            b0 = self.b0
-            pf = [0.0]
-            pb = [0.0]
-            big = 0.0
-            af = ab = 0.0
-            for blk in self.profile.blocks:
-                f = blk.fwd_fixed_us + (blk.fwd_us - blk.fwd_fixed_us) * m / b0
-                b = blk.bwd_fixed_us + (blk.bwd_us - blk.bwd_fixed_us) * m / b0
-                af += f
-                ab += b
-                pf.append(af)
-                pb.append(ab)
-                big = max(big, f + b)
-            got = (pf, pb, big)
-            self._times[m] = got
-        return got
+        at = self.at(m)
+        return at.pf, at.pb, at.big
 
     def fb_prefix(self, m: int, recompute: bool = False) -> list[float]:
         """Prefix sums of ``f_k + b_k`` at ``m`` samples, or of ``2 f_k + b_k`` with ``recompute``."""
@@ -145,13 +195,12 @@ class CostTables:
         return got
 
     def memory_prefix(self, m: int, v: int, held: int) -> list[int]:
-        """Prefix sums of ``v*(b0*static + m*held*activation_bytes)``: scaled memory, ``held`` micro-batches."""
+        """Prefix sums of ``v * (static + held * activation_bytes(m))``: a chunk's memory, ``held`` micro-batches
+        of activations in flight (transients not included: a lower bound of the stage's memory)."""
         got = self._mem.get((m, v, held))
         if got is None:
-            vb0, vmh = v * self.b0, v * m * held
-            got = self._mem[(m, v, held)] = [
-                vb0 * s + vmh * a for s, a in zip(self.static, self.acts, strict=True)
-            ]
+            acts = self.at(m).acts
+            got = self._mem[(m, v, held)] = [v * (s + held * a) for s, a in zip(self.static, acts, strict=True)]
         return got
 
     def p2p(self, m: int, intra: bool) -> list[float]:
@@ -161,8 +210,7 @@ class CostTables:
             c = self.cluster
             bw = c.intra_node_bw if intra else c.inter_node_bw
             lat = c.latency_us
-            b0 = self.b0
-            got = [0.0] + [cut * m / b0 / bw * 1e6 + lat for cut in self.cuts[:-1]] + [0.0]
+            got = [0.0] + [cut / bw * 1e6 + lat for cut in self.at(m).cuts[:-1]] + [0.0]
             self._p2p[(m, intra)] = got
         return got
 
@@ -176,3 +224,14 @@ class CostTables:
                 o += t.optimizer_bytes
                 n += t.param_count
         return p, g, o, n
+
+    def tied_optimizer_us(self, i: int, j: int) -> float:
+        """Optimizer step time of the tied copies a stage of blocks ``[i, j)`` holds."""
+        return sum(t.optimizer_us for t in self.tied if i > t.owner and t.next_user[i] < j)
+
+
+def _prefix_float(values: list[float]) -> list[float]:
+    out = [0.0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
