@@ -22,7 +22,7 @@ from typing import Any
 
 from lightning_autopart.errors import ConfigError
 
-__all__ = ["BlockCostAt", "BlockProfile", "CostPoint", "ModelProfile", "TiedParam", "cost_at", "optimizer_state_factor"]
+__all__ = ["BlockCostAt", "BlockProfile", "CostPoint", "ModelProfile", "TiedParam", "cost_at", "optimizer_state_factor", "optimizer_transient_factor"]
 
 #: One point of a cost curve: (samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes).
 CostPoint = tuple[int, float, float, int, int, int]
@@ -47,6 +47,12 @@ def optimizer_state_factor(optimizer: str) -> float:
         known = ", ".join(sorted(_OPTIMIZER_STATE_FACTORS))
         raise ConfigError(f"unknown optimizer {optimizer!r}; use one of: {known}")
     return _OPTIMIZER_STATE_FACTORS[key]
+
+
+def optimizer_transient_factor(optimizer: str) -> float:
+    """Bytes the optimizer step allocates for its duration, per byte of trainable parameters (Adam's foreach
+    implementation makes one parameter-sized temporary, the square root of its second moment)."""
+    return 1.0 if optimizer.lower() in ("adam", "adamw") else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,8 @@ class BlockProfile:
     curve: tuple[CostPoint, ...] = ()
     #: Time of the optimizer step over the parameters this block owns, once per step (memory bound).
     optimizer_us: float = 0.0
+    #: Autocast's low-precision copies of the block's weights, held once for the whole step ("-mixed").
+    cast_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

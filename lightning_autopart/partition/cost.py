@@ -19,8 +19,10 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     in_flight = M (GPipe) | min(S - p, M) (1F1B)
               | min(M, ceil((S - p) * (1 + (S - 1) / (S*v))))  (Interleaved1F1B, per chunk)
     X = max x_k                                                 (one micro-batch's backward at a time)
-    memory_off = static + in_flight * sum a_k + X
-    memory_on  = static + in_flight * c_{i-1} + sum a_k + X  (checkpointing: keep only the stage input per
+    Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
+    memory_off = static + max(in_flight * sum a_k + X, Y)
+    memory_on  = static + max(in_flight * c_{i-1} + sum a_k + X, Y)
+                                                             (checkpointing: keep only the stage input per
                                                               micro-batch, recompute one micro-batch at a time)
     checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
     p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
@@ -218,13 +220,15 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     st = tables.static[j] - tables.static[i] + tp + tg + to
     a_sum = at.acts[j] - at.acts[i]
     trans = at.transient(i, j)
+    grad = tables.grads[j] - tables.grads[i] + tg
+    y = int(grad * tables.opt_transient)
     infl = cc.in_flight[k]
     act_off = infl * a_sum
     act_on = infl * at.stage_input[i] + a_sum
     fits = True
-    if v * (st + act_off + trans) <= cap:
+    if v * (st + max(act_off + trans, y)) <= cap:
         ck, act = False, act_off
-    elif cc.checkpointing and v * (st + act_on + trans) <= cap:
+    elif cc.checkpointing and v * (st + max(act_on + trans, y)) <= cap:
         ck, act = True, act_on
     else:
         fits = False
@@ -237,7 +241,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     pin = cc.p2p_in[k][i]
     pout = cc.p2p_out[k][j]
     t = comp + pin + pout
-    grad = tables.grads[j] - tables.grads[i] + tg
     a = cc.ar_coef[k] * grad + cc.ar_const[k] if cc.cfg.replicas > 1 else 0.0
     opt = tables.opt_us[j] - tables.opt_us[i] + tables.tied_optimizer_us(i, j)
     w = cc.ticks * t + v * (a + opt)
@@ -260,9 +263,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
         activation_bytes=act,
-        transient_bytes=trans,
+        transient_bytes=max(trans, y - act),
         in_flight=infl,
-        memory_bytes=st + act + trans,
+        memory_bytes=st + max(act + trans, y),
         limit_bytes=tables.usable // v,
         param_count=tables.counts[j] - tables.counts[i] + tn,
     )

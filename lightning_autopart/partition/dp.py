@@ -224,7 +224,7 @@ def solve(
     start, room, cap = relax.start, relax.room(tau), tables.cap
     at = cc.at
     pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
-    cin, trans = at.stage_input, at.transient
+    cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     multi = cc.cfg.replicas > 1
@@ -265,10 +265,11 @@ def solve(
                             gr += tc.grad_bytes
                             opt += tc.optimizer_us
                 a_sum = paj - pa[i]
-                base = st + trans(i, j)
-                if v * (base + infl * a_sum) <= cap:
+                x = trans(i, j)
+                y = int(gr * yf)
+                if v * (st + max(x + infl * a_sum, y)) <= cap:
                     t = fb + pin[i] + po
-                elif ck and v * (base + infl * cin[i] + a_sum) <= cap:
+                elif ck and v * (st + max(x + infl * cin[i] + a_sum, y)) <= cap:
                     t = fb + f + pin[i] + po
                 else:
                     continue
@@ -332,6 +333,7 @@ def solve_memory(
         return None
     at = cc.at
     ps, pa, cin, trans, tied = tables.static, at.acts, at.stage_input, at.transient, tables.tied
+    pg, yf = tables.grads, tables.opt_transient
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
@@ -353,6 +355,7 @@ def solve_memory(
                 if (pm[j] - pm[i]) / cap > best:
                     break
                 st = ps[j] - ps[i]
+                gr = pg[j] - pg[i]
                 a_sum = pa[j] - pa[i]
                 units = infl * a_sum
                 if ck:
@@ -361,7 +364,8 @@ def solve_memory(
                     for tc in tied:
                         if i > tc.owner and tc.next_user[i] < j:
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
-                w = v * (st + units + trans(i, j)) / cap
+                            gr += tc.grad_bytes
+                w = v * (st + max(units + trans(i, j), int(gr * yf))) / cap
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

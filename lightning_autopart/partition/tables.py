@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.records import ModelProfile, cost_at, optimizer_state_factor
+from lightning_autopart.records import (
+    ModelProfile,
+    cost_at,
+    optimizer_state_factor,
+    optimizer_transient_factor,
+)
 
 __all__ = ["CostTables", "RangeMax", "SizeTables", "TiedCopy"]
 
@@ -142,13 +147,15 @@ class CostTables:
         self.params = _prefix([b.param_bytes for b in blocks])
         self.grads = _prefix([b.grad_bytes for b in blocks])
         self.optim = _prefix([b.optimizer_bytes for b in blocks])
-        self.buffers = _prefix([b.buffer_bytes for b in blocks])
+        self.buffers = _prefix([b.buffer_bytes + b.cast_bytes for b in blocks])
         self.counts = _prefix([b.param_count for b in blocks])
         self.static = _prefix(
-            [b.param_bytes + b.grad_bytes + b.optimizer_bytes + b.buffer_bytes for b in blocks]
+            [b.param_bytes + b.grad_bytes + b.optimizer_bytes + b.buffer_bytes + b.cast_bytes for b in blocks]
         )
         #: Prefix sums of the optimizer step's time (once per step, independent of the micro-batch).
         self.opt_us = _prefix_float([b.optimizer_us for b in blocks])
+        #: Bytes the optimizer step allocates per byte of trainable parameters (its transient).
+        self.opt_transient = optimizer_transient_factor(profile.optimizer)
         self.tied = _tied_copies(profile)
         self._sizes: dict[int, SizeTables] = {}
         self._fb: dict[tuple[int, bool], list[float]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
 from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
 from lightning_autopart.profile.runner import BlockCost
+from lightning_autopart.profile.step import optimizer_step_us
 from lightning_autopart.records import BlockProfile, ModelProfile, optimizer_state_factor
 
 __all__ = ["profile", "resolve_spec"]
@@ -153,6 +155,7 @@ def profile(
         rng_devices = [dev] if dev.type == "cuda" else []
         chosen = resolve_spec(spec, dev)
         device_name = str(dev)
+        gpu = dev.type == "cuda"
         meta.update(
             warmup=warmup, repeats=repeats, timer="cuda_event" if dev.type == "cuda" else "perf_counter"
         )
@@ -160,6 +163,7 @@ def profile(
     else:
         on_meta = device is not None and str(device).startswith("meta")
         chosen = resolve_spec(spec, None if spec is not None or on_meta else _resolve_device(device))
+        gpu = chosen.name != "cpu"
         roofline = Roofline.of(chosen, precision.compute_name)
         device_name = chosen.name
         meta.update(
@@ -190,7 +194,11 @@ def profile(
                     f"{type(err).__name__}: {err}"
                 ) from err
             cut_bytes = sum(scaled_nbytes(t, precision.compute) for t in captured.cuts[index])
-            records.append(_record(block.name, block.modules, memory[index], cost, cut_bytes))
+            if mode == "estimate" and precision.mixed and precision.compute is not None:
+                cost = dataclasses.replace(cost, cast_bytes=_weight_casts(captured, index, precision.compute))
+            own = memory[index]
+            step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
+            records.append(_record(block.name, block.modules, own, cost, cut_bytes, step_us))
             per_block.append(
                 {
                     "index": index,
@@ -285,7 +293,7 @@ def _forget_frames(error: BaseException) -> None:
 
 
 def _record(
-    name: str, modules: tuple[str, ...], memory: BlockMemory, cost: BlockCost, cut_bytes: int
+    name: str, modules: tuple[str, ...], memory: BlockMemory, cost: BlockCost, cut_bytes: int, step_us: float
 ) -> BlockProfile:
     return BlockProfile(
         name=name,
@@ -303,4 +311,22 @@ def _record(
         activation_bytes=int(cost.activation_bytes),
         cut_bytes=int(cut_bytes),
         fwd_flops=float(cost.fwd_flops),
+        transient_bytes=int(cost.transient_bytes),
+        cast_bytes=int(cost.cast_bytes),
+        optimizer_us=float(step_us),
     )
+
+
+def _weight_casts(captured: CapturedModel, index: int, compute: torch.dtype) -> int:
+    """Bytes of autocast's copies of a block's weights (matrices and filters: what matmuls and convolutions cast)
+    for an estimate, whose meta run computes in the low precision throughout and so makes no copies."""
+    shapes = captured.param_shapes
+    total = 0
+    for name in captured.blocks[index].params:
+        shape = shapes.get(name, ())
+        if len(shape) >= 2:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * compute.itemsize
+    return total

@@ -24,6 +24,7 @@ from lightning_autopart.profile.sandbox import (
     state_tensors,
 )
 from lightning_autopart.profile.saved import SavedTensorMeter
+from lightning_autopart.profile.transient import AllocationMeter
 
 __all__: list[str] = []
 
@@ -45,6 +46,10 @@ class BlockCost:
     bwd_flops: float
     fwd_kernels: int
     bwd_kernels: int
+    #: Backward's transient peak beyond the saved tensors (see [Note: transient memory]).
+    transient_bytes: int = 0
+    #: Autocast's weight copies, once per step.
+    cast_bytes: int = 0
 
     @classmethod
     def of(
@@ -53,8 +58,10 @@ class BlockCost:
         saved: tuple[int, int, int],
         times_us: tuple[float, float],
         fixed_us: tuple[float, float],
+        memory: tuple[int, int] = (0, 0),
     ) -> BlockCost:
-        """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them) and times."""
+        """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them), times, and
+        ``memory``: the run's (transient, cast) bytes."""
         fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
         return cls(
             fwd_us=times_us[0],
@@ -68,6 +75,8 @@ class BlockCost:
             bwd_flops=bwd.flops,
             fwd_kernels=fwd.kernels,
             bwd_kernels=bwd.kernels,
+            transient_bytes=memory[0],
+            cast_bytes=memory[1],
         )
 
 
@@ -85,6 +94,9 @@ class Runner:
             compute = precision.compute
             self.context = lambda: torch.autocast(device.type, dtype=compute)
         self.grads: list[torch.Tensor] = []
+        #: Backward's transient peak and autocast's weight copies, from the last :meth:`counted_run`.
+        self.transient_bytes = 0
+        self.cast_bytes = 0
 
     def release(self) -> None:
         """Free the copy, its arguments and gradient seeds now; the runner cannot run again.
@@ -107,14 +119,24 @@ class Runner:
             torch.autograd.backward(outputs, grad_tensors=self.grads)
 
     def counted_run(self, counter: OpCounter) -> tuple[int, int, int]:
-        """One forward and backward under ``counter``, metering saved tensors.
+        """One forward and backward under ``counter``, metering saved tensors and allocations.
+
+        Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors) and
+        :attr:`cast_bytes` (autocast's weight copies, once per step; not in the saved bytes returned), see
+        [Note: transient memory].
 
         Returns:
-            Bytes saved for backward, and the parts of them that are the block's inputs and its outputs.
+            Bytes saved for backward (weight casts excluded), and the parts of them that are the block's inputs
+            and its outputs.
         """
-        meter = SavedTensorMeter(exclude=state_tensors(self.program))
+        state = state_tensors(self.program)
+        meter = SavedTensorMeter(exclude=state)
+        allocations = AllocationMeter(state)
+        for p in self.program.parameters():  # gradients are state: backward accumulates into them
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         inputs = fresh_inputs(self.args)
-        with counter:
+        with counter, allocations:
             counter.phase = "fwd"
             with meter.hooks():
                 outputs = self.forward(inputs)
@@ -124,4 +146,8 @@ class Runner:
             self.backward(outputs)
             counter.phase = None
         clear_grads(self.program, self.args)
-        return meter.nbytes, meter.nbytes_of(tree_leaves(inputs)), meter.nbytes_of(outputs)
+        saved = meter.nbytes
+        self.cast_bytes = sum(allocations.casts.values())
+        self.transient_bytes = max(0, allocations.peak - saved)
+        casts_saved = meter.nbytes_of_keys(allocations.casts)
+        return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), meter.nbytes_of(outputs)

@@ -84,6 +84,26 @@ def brute_force(
 
 
 @st.composite
+def _curves(draw: st.DrawFn, b0: int) -> tuple[tuple[int, float, float, int, int, int], ...]:
+    """Empty (linear in the batch), or costs at 1, 4 and 16 samples, not necessarily linear."""
+    if draw(st.booleans()):
+        return ()
+    points = []
+    for samples in (1, 4, 16):
+        points.append(
+            (
+                samples,
+                draw(st.floats(1.0, 1000.0)),
+                draw(st.floats(1.0, 2000.0)),
+                draw(st.integers(0, 100000)),
+                draw(st.integers(0, 60000)),
+                draw(st.integers(0, 3000)),
+            )
+        )
+    return tuple(points)
+
+
+@st.composite
 def instances(
     draw: st.DrawFn, pipeline: bool = False
 ) -> tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool]:
@@ -117,6 +137,10 @@ def instances(
                 bwd_fixed_us=bwd * draw(st.floats(0.0, fixed)),
                 activation_bytes=draw(st.integers(0, 100000)),
                 cut_bytes=draw(st.integers(50000, 400000)) if skip_heavy else draw(st.integers(0, 3000)),
+                transient_bytes=draw(st.integers(0, 60000)),
+                optimizer_us=draw(st.floats(0.0, 500.0)),
+                cast_bytes=draw(st.integers(0, 300)),
+                curve=draw(_curves(b0)),
             )
         )
     tied: tuple[TiedParam, ...] = ()

@@ -1,0 +1,46 @@
+"""The parts of a training step outside the model's blocks: the optimizer step (and zero_grad).
+
+[Note: optimizer step] After backward, the optimizer reads and writes every trainable parameter, its gradient and
+its state: memory-bound work, priced as the bytes it moves over the device's sustained bandwidth plus one
+launch per kernel. torch's default (``foreach``) implementations run a handful of multi-tensor kernels per
+parameter group, each a pass over some of the tensors; counted from torch.optim's ``_multi_tensor_*`` code, in
+parameter-sized passes (each read or write of a parameter, gradient, state or temporary of the same size):
+
+- sgd: ``p -= lr * g`` -- 1 kernel, 3 passes;
+- sgd with momentum: ``b *= m; b += g; p -= lr * b`` -- 3 kernels, 8 passes;
+- adagrad, rmsprop: about 4 kernels, 9 and 10 passes;
+- adam: lerp of the first moment (3), scale and addcmul of the second (2 + 4), its sqrt, bias correction and eps
+  on a temporary (2 + 2 + 2), addcdiv into the parameter (4) -- 8 kernels, 19 passes; adamw adds the decay (2).
+
+On a GPU one multi-tensor launch covers many tensors (about ``_TENSORS_PER_LAUNCH``); on a CPU each tensor is
+its own kernel call. Lightning's ``zero_grad`` sets gradients to None: free. Adam's sqrt temporary is one
+parameter-sized buffer alive during the step (``records.optimizer_transient_factor``).
+"""
+
+from __future__ import annotations
+
+from lightning_autopart.devices import DeviceSpec
+
+__all__ = ["optimizer_step_us"]
+
+#: Per optimizer: (kernels per parameter group, parameter-sized memory passes); see [Note: optimizer step].
+_STEPS: dict[str, tuple[int, int]] = {
+    "sgd": (1, 3),
+    "sgd_momentum": (3, 8),
+    "adagrad": (4, 9),
+    "rmsprop": (4, 10),
+    "adam": (8, 19),
+    "adamw": (9, 21),
+}
+
+#: Tensors one multi-tensor-apply launch covers on a GPU (torch's chunking covers a few dozen).
+_TENSORS_PER_LAUNCH = 24
+
+
+def optimizer_step_us(optimizer: str, param_bytes: int, tensors: int, spec: DeviceSpec, gpu: bool) -> float:
+    """Time of the optimizer step over ``tensors`` trainable parameters of ``param_bytes`` in all, on ``spec``."""
+    if tensors == 0 or param_bytes == 0:
+        return 0.0
+    kernels, passes = _STEPS.get(optimizer, _STEPS["adam"])
+    launches = kernels * (-(-tensors // _TENSORS_PER_LAUNCH) if gpu else tensors)
+    return passes * param_bytes / (spec.memory_bw * spec.bw_efficiency) * 1e6 + launches * spec.launch_us

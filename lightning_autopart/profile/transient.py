@@ -1,0 +1,92 @@
+"""What a block allocates beyond what it saves for backward: backward's transient peak, and autocast's weight copies.
+
+[Note: transient memory] A stage's memory is its state, the activations of the micro-batches in flight, and on top
+of that, while one micro-batch runs backward, the gradients and temporaries it allocates (the gradient of a
+GPT's logits is as large as the logits). :class:`AllocationMeter` follows every storage the block's operations
+create (a weak reference on each storage's Python object, which torch keeps for as long as the storage lives,
+meta storages too) and keeps the peak of their sum; the transient is that peak minus the bytes saved for
+backward. Parameter gradients are state, counted elsewhere: the runner gives every parameter a gradient before
+the run, so backward accumulates into it. Under autocast, ``_to_copy`` of a parameter makes the low-precision
+copy of a weight; autocast caches it for the whole step (one copy per weight, however many micro-batches), so
+those bytes are reported apart (``cast_bytes``) and not as per-micro-batch activations.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_autopart.profile.saved import storage_key
+
+__all__: list[str] = []
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class _Release:
+    """Weak-reference callback subtracting a dead storage's bytes (holds its meter weakly: no cycle)."""
+
+    __slots__ = ("key", "meter")
+
+    def __init__(self, meter: AllocationMeter, key: int) -> None:
+        self.meter = weakref.ref(meter)
+        self.key = key
+
+    def __call__(self, _: Any) -> None:
+        meter = self.meter()
+        if meter is not None:
+            meter.release(self.key)
+
+
+class AllocationMeter(TorchDispatchMode):
+    """The bytes of the storages operations create while active, as they live and die, and their peak.
+
+    Args:
+        state: The block's parameters, buffers and constants: a copy of one of them (``_to_copy``) is a weight
+            cast, whose storage is recorded in :attr:`casts`.
+    """
+
+    def __init__(self, state: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        #: Storage keys of weight casts and their bytes.
+        self.casts: dict[int, int] = {}
+        self._state = {storage_key(t) for t in state}
+        self._tracked: dict[int, tuple[int, weakref.ref[Any]]] = {}
+
+    def release(self, key: int) -> None:
+        """A tracked storage died."""
+        entry = self._tracked.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        cast = func is _TO_COPY and bool(inputs & self._state)
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = storage_key(t)
+            if key in inputs or key in self._tracked:
+                continue  # a view or an in-place result: no new memory
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
+                continue
+            nbytes = int(storage.nbytes())
+            self._tracked[key] = (nbytes, weakref.ref(storage, _Release(self, key)))
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            if cast:
+                self.casts[key] = nbytes
+        return out
