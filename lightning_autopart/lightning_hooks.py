@@ -26,6 +26,7 @@ __all__ = [
     "replaced_forward",
     "sample_range",
     "slice_batch",
+    "step_loss",
 ]
 
 
@@ -201,6 +202,50 @@ def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, log
 
 #: Names of ``LightningModule.log``'s arguments after ``name`` and ``value``, in positional order.
 _LOG_ARGUMENTS = list(inspect.signature(_log_signature).parameters)[3:]
+
+
+def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> Callable[[Any, int], torch.Tensor]:
+    """The user's training loss as a function of the pipelined model's output (see [Note: the loss]):
+    ``training_step`` on the first ``samples`` samples of ``batch`` (moved to the output's device), with the
+    model's forward returning ``output``, ``self.log`` silenced and torchmetrics states restored afterwards, so
+    profiling it leaves nothing behind."""
+
+    def loss(output: Any, samples: int) -> torch.Tensor:
+        device = next((t.device for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+        part = slice_batch(batch, 0, samples, batch_size)
+        if device is not None:
+            part = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, part)
+        root = module.get_submodule(root_name) if root_name else module
+        with replaced_forward(root, output), _silenced_log(module), _metrics_kept(module):
+            out = module.training_step(part, 0)
+        value = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under autopart")
+        return value
+
+    return loss
+
+
+@contextmanager
+def _metrics_kept(module: nn.Module) -> Iterator[None]:
+    """Restore the state of every torchmetrics ``Metric`` of ``module`` on exit (updates made meanwhile vanish)."""
+    import copy
+    import sys
+
+    torchmetrics = sys.modules.get("torchmetrics")
+    metric_type = getattr(torchmetrics, "Metric", None)
+    metrics = [m for m in module.modules() if metric_type is not None and isinstance(m, metric_type)]
+    names = ("_update_count", "_computed", "_forward_cache")
+    saved = [
+        {k: copy.deepcopy(getattr(m, k)) for k in (*getattr(m, "_defaults", {}), *names) if hasattr(m, k)}
+        for m in metrics
+    ]
+    try:
+        yield
+    finally:
+        for m, state in zip(metrics, saved, strict=True):
+            for k, v in state.items():
+                setattr(m, k, v)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from lightning_autopart.errors import AutopartError, ConfigError, PlanError
 from lightning_autopart.graph import CapturedModel
 from lightning_autopart.lightning_hooks import ForwardCall, slice_batch
 from lightning_autopart.plan import Plan, check_compatible, load_plan
+from lightning_autopart.profile.loss import LossFn
 from lightning_autopart.runtime import move_in_place
 from lightning_autopart.stages import tied_groups
 from lightning_autopart.topology import place
@@ -91,15 +92,17 @@ def plan_for_batch(
     world_size: int,
     num_nodes: int,
     device: torch.device,
+    loss: LossFn | None = None,
 ) -> Plan:
     """The plan for ``root`` fed batches of ``local_batch`` samples per replica, made on rank 0, sent to all.
 
-    A failure on rank 0 (no plan fits, a mismatched ``load_plan``) is raised on every rank.
+    ``loss(output, samples)`` is the training loss computed from the model's output, profiled on the last block
+    (see [Note: the loss]). A failure on rank 0 (no plan fits, a mismatched ``load_plan``) is raised on every rank.
     """
     result: list[Any] = [None]
     if rank == 0:
         try:
-            result[0] = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device)
+            result[0] = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device, loss)
         except Exception as error:  # sent to every rank, then raised everywhere
             result[0] = error
     if dist.is_available() and dist.is_initialized() and world_size > 1:
@@ -191,6 +194,7 @@ def _make_plan(
     world_size: int,
     num_nodes: int,
     device: torch.device,
+    loss: LossFn | None = None,
 ) -> Plan:
     from lightning_autopart.partition import partition
     from lightning_autopart.planner import profile_model
@@ -224,6 +228,8 @@ def _make_plan(
         spec=spec,
         optimizer=settings.optimizer,
         max_blocks=settings.max_blocks,
+        up_to=local_batch,
+        loss=loss,
     )
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
         why = "".join(f"; {note}" for note in prof.meta.get("capture_notes", ()))

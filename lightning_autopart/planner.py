@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec, device_spec_names
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.records import ModelProfile
+
+if TYPE_CHECKING:
+    from lightning_autopart.graph import CapturedModel
+    from lightning_autopart.profile.loss import LossCost, LossFn
 
 __all__ = ["check_settings", "example_inputs_of", "meta_inputs", "plan_model", "profile_model"]
 
@@ -47,37 +50,75 @@ def profile_model(
     optimizer: str = "sgd",
     max_blocks: int = 64,
     progress: Progress | None = None,
+    up_to: int | None = None,
+    loss: LossFn | None = None,
 ) -> ModelProfile:
     """Capture ``model`` on ``example_inputs`` and profile its blocks (``profile`` is "estimate" or "measure").
 
-    "measure" times the blocks again on an eighth of the batch and fits each block's batch-independent
-    time through both (see [Note: two batch sizes]); a model whose blocks change with the batch size
-    keeps the kernel-count estimate of that part.
+    With ``up_to`` (the largest micro-batch a plan may use), "measure" captures and times the model at the sizes
+    of :func:`~lightning_autopart.profile.curves.curve_sizes` (the example's samples sliced or repeated) and
+    gives every block a cost curve (see [Note: cost curves]). ``loss(output, samples)``, when given, is the
+    training loss computed from the model's output; it is profiled at each size and added to the last block
+    (see [Note: the loss]); a loss that fails there is left unpriced and ``meta["loss_error"]`` says why.
     """
     from lightning_autopart.capture import capture
-    from lightning_autopart.errors import AutopartError
     from lightning_autopart.profile import profile as profile_blocks
-    from lightning_autopart.profile.scaling import fit_fixed_costs, small_batch
+    from lightning_autopart.profile.curves import curve_sizes, join_curves, resize_batch
+    from lightning_autopart.profile.loss import profile_loss
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
     captured = capture(model, example_inputs, max_blocks=max_blocks)
-    result = profile_blocks(captured, mode=profile, spec=spec, optimizer=optimizer, progress=progress)
-    if captured.notes:  # what capture gave up, for errors about the number of blocks
-        result = dataclasses.replace(result, meta={**result.meta, "capture_notes": list(captured.notes)})
-    small = small_batch(captured.batch_size)
-    if profile != "measure" or not small:
-        return result
     b0 = captured.batch_size
+    sizes = curve_sizes(up_to) if profile == "measure" and up_to is not None else [b0]
+    profiles: dict[int, ModelProfile] = {}
+    losses: dict[int, LossCost] = {}
+    loss_error = None
+    for size in sizes:
+        inputs = example_inputs if size == b0 else resize_batch(example_inputs, b0, size)
+        at = captured if size == b0 else capture(model, inputs, max_blocks=max_blocks)
+        profiles[size] = profile_blocks(
+            at, mode=profile, spec=spec, optimizer=optimizer, progress=progress if size == sizes[-1] else None
+        )
+        if loss is not None and loss_error is None:
+            try:
+                estimate = profile == "estimate"
+                output = _example_output(at, "meta" if estimate else profiles[size].device)
+                roofline = _roofline_of(profiles[size]) if estimate else None
+                losses[size] = profile_loss(loss, output, size, roofline=roofline)
+            except Exception as error:  # user code: the loss stays unpriced, and the profile says why
+                loss_error = f"{type(error).__name__}: {error}"
+                losses = {}
+    result = join_curves(profiles, losses or None) if len(sizes) > 1 or losses else profiles[b0]
+    notes: dict[str, Any] = {"capture_notes": list(captured.notes)} if captured.notes else {}
+    if loss_error is not None:
+        notes["loss_error"] = loss_error
+    return dataclasses.replace(result, meta={**result.meta, **notes}) if notes else result
 
-    def cut(x: Any) -> Any:
-        return x[:small] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == b0 else x
 
-    try:
-        fewer = capture(model, tree_map(cut, example_inputs), max_blocks=max_blocks)
-        return fit_fixed_costs(result, profile_blocks(fewer, mode=profile, spec=spec, optimizer=optimizer))
-    except AutopartError:
-        return result
+def _example_output(captured: CapturedModel, device: str) -> Any:
+    """A stand-in for the model's output at the capture's batch size, on ``device`` (random floats; values do not
+    change what a loss costs), in the structure the forward returns."""
+    tensors = []
+    for info in captured.cuts[-1]:
+        dtype = getattr(torch, info.dtype)
+        if dtype.is_floating_point:
+            tensors.append(torch.randn(info.shape, dtype=dtype, device=device))
+        else:
+            tensors.append(torch.zeros(info.shape, dtype=dtype, device=device))
+    return captured.output.rebuild(tensors)
+
+
+def _roofline_of(prof: ModelProfile) -> Any:
+    """The roofline an estimate profile priced its blocks with (its spec's figures are in its meta)."""
+    from lightning_autopart.profile.opcount import Roofline
+
+    meta = prof.meta
+    return Roofline(
+        flops_per_us=meta["peak_flops"] * meta["flops_efficiency"] / 1e6,
+        bytes_per_us=meta["memory_bw"] * meta["bw_efficiency"] / 1e6,
+        launch_us=meta["launch_us"],
+    )
 
 
 def plan_model(

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning_hooks import batch_size_of, find_forward
+from lightning_autopart.lightning_hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.log_channel import open_log_channel
 from lightning_autopart.partitioning import (
     PlanSettings,
@@ -265,6 +265,7 @@ class AutoPartitionStrategy(ParallelStrategy):
             world_size=self.world_size,
             num_nodes=self.num_nodes,
             device=self.root_device,
+            loss=step_loss(lm, call.name, batch, size),
         )
         self.plan = plan
         captured, tied, counted_elsewhere, in_blocks = capture_for_plan(plan, root, call, size, self.global_rank)

@@ -1,0 +1,107 @@
+"""The loss a training step computes from the model's output, profiled like a block: it runs on the last stage.
+
+[Note: the loss] ``training_step`` turns the model's output into a loss: a cross entropy over a GPT's logits
+reads 8 x 1024 x 50257 floats, saves its log-softmax for backward and allocates a gradient as large as the
+logits. That work runs on the last stage, once per micro-batch, so the profiler prices it like a block and
+adds it to the model's last block: its forward and backward time, the bytes it saves and its transient peak.
+The caller gives the loss as a function of the model's output (the strategy: the user's ``training_step`` with
+the model's forward replaced by that output, on the matching slice of the batch). A loss that cannot run on a
+profiling copy (user code that reads values on meta tensors, say) is left unpriced, and the profile says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_autopart.profile.opcount import OpCounter, Roofline
+from lightning_autopart.profile.saved import SavedTensorMeter
+from lightning_autopart.profile.transient import AllocationMeter
+
+__all__ = ["LossCost", "LossFn", "profile_loss"]
+
+#: ``loss(output, samples)``: the training loss of ``samples`` samples given the model's output for them.
+LossFn = Callable[[Any, int], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class LossCost:
+    """The loss at one batch size: forward and backward time, bytes saved for backward, transient peak."""
+
+    fwd_us: float
+    bwd_us: float
+    saved_bytes: int
+    transient_bytes: int
+
+
+def _leaf_outputs(output: Any) -> Any:
+    """A detached copy of every floating tensor of ``output`` that needs a gradient (the loss's inputs)."""
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().requires_grad_(True)
+        return t
+
+    return tree_map(leaf, output)
+
+
+def profile_loss(
+    loss: LossFn,
+    output: Any,
+    samples: int,
+    *,
+    roofline: Roofline | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> LossCost:
+    """Time (or, with ``roofline`` on meta tensors, price) the loss of ``samples`` samples from ``output``.
+
+    Raises whatever the user's loss code raises; :func:`lightning_autopart.planner.profile_model` catches it.
+    """
+    device = next((t.device for t in tree_leaves(output) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+    def run(counter: OpCounter | None = None) -> tuple[float, float, Any]:
+        leaves = _leaf_outputs(output)
+        grads = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if counter is not None:
+            counter.phase = "fwd"
+        t0 = _now(device)
+        value = loss(leaves, samples)
+        t1 = _now(device)
+        if counter is not None:
+            counter.phase = "bwd"
+        if value.requires_grad:
+            torch.autograd.backward(value, inputs=grads)
+        t2 = _now(device)
+        if counter is not None:
+            counter.phase = None
+        return t1 - t0, t2 - t1, value
+
+    state = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+    meter = SavedTensorMeter(exclude=state)
+    allocations = AllocationMeter()
+    counter = OpCounter(roofline)
+    with counter, allocations, meter.hooks():
+        run(counter)
+    saved = meter.nbytes
+    transient = max(0, allocations.peak - saved)
+    if roofline is not None:  # an estimate: the counter's roofline prices every op
+        return LossCost(counter.counts["fwd"].time_us, counter.counts["bwd"].time_us, saved, transient)
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        f, b, _ = run()
+        if i >= warmup:
+            fwd.append(f * 1e6)
+            bwd.append(b * 1e6)
+    return LossCost(statistics.median(fwd), statistics.median(bwd), saved, transient)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
