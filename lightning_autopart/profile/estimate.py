@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
+from lightning_autopart.devices import DeviceSpec
+from lightning_autopart.errors import ConfigError
 from lightning_autopart.graph import Block
-from lightning_autopart.profile.opcount import OpCounter, Roofline
+from lightning_autopart.profile.opcount import Gemm, OpCounter, OpRecord, Roofline
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.runner import BlockCost, Runner
+from lightning_autopart.records import CostPoint
 
 __all__: list[str] = []
 
@@ -69,18 +74,175 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
 
     A copy of the block runs forward and backward on meta tensors, parameters and floating inputs held in
     the compute dtype (a "-mixed" precision is modelled as compute in its low-precision dtype), attention
-    as one fused kernel (:class:`FusedAttention`). Each aten
-    op costs ``max(flops / sustained FLOP/s, bytes / sustained bandwidth) + launch_us``; the fixed part of
-    a phase is its kernel count times ``launch_us``. Saved-tensor bytes are metered as in measure mode.
+    as one fused kernel (:class:`FusedAttention`). Each aten op costs :meth:`Roofline.op_us`: ``max(flops /
+    sustained FLOP/s, bytes / sustained bandwidth) + launch_us``, matrix products and convolutions priced by
+    their tiles and waves when ``roofline`` was built with ``waves=True`` (see [Note: GEMM waves] in
+    opcount.py); the fixed part of a phase is its kernel count times ``launch_us``. Saved-tensor bytes and
+    backward's transient peak are metered as in measure mode.
     """
+    counter, saved, memory = _counted(block, precision, roofline, keep_ops=False)
+    fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
+    fixed = (fwd.kernels * roofline.launch_us, bwd.kernels * roofline.launch_us)
+    return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed, memory)
+
+
+def _counted(
+    block: Block, precision: Precision, roofline: Roofline, *, keep_ops: bool
+) -> tuple[OpCounter, tuple[int, int, int], tuple[int, int]]:
+    """A counted forward and backward of a meta copy of ``block``, its saved bytes as ``Runner.counted_run``
+    returns them, and its (transient, cast) bytes (see estimate_block)."""
     compute = Precision(precision.name, precision.compute, precision.compute)
     runner = Runner(block, _META, compute)
     runner.context = FusedAttention
-    counter = OpCounter(roofline)
+    counter = OpCounter(roofline, keep_ops=keep_ops)
     try:
         saved = runner.counted_run(counter)
     finally:
         runner.release()  # see [Note: no copy outlives the profiler] in sandbox.py
-    fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
-    fixed = (fwd.kernels * roofline.launch_us, bwd.kernels * roofline.launch_us)
-    return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed)
+    return counter, saved, (runner.transient_bytes, runner.cast_bytes)
+
+
+def batch_sizes(block_a: Block, block_b: Block) -> tuple[int, int]:
+    """The batch sizes two captures of one block were taken at, read from their inputs.
+
+    They are the leading dimensions of the first tensor input whose leading dimension differs between the
+    two; a block with no such input (a position embedding) does not depend on the batch, and ``(1, 2)`` is
+    returned. Pass the captures' ``batch_size`` instead where a block's first batch-dependent input is not
+    batch-major (a flattened ``(batch * seq, d)`` would read as ``batch * seq``).
+    """
+    leaves_a = [t for t in tree_leaves(block_a.args) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    leaves_b = [t for t in tree_leaves(block_b.args) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    for x, y in zip(leaves_a, leaves_b, strict=False):
+        if x.shape[0] != y.shape[0]:
+            return int(x.shape[0]), int(y.shape[0])
+    return 1, 2
+
+
+def _affine(at_a: float, at_b: float, a: int, b: int) -> Callable[[int], float]:
+    """The line through ``(a, at_a)`` and ``(b, at_b)``."""
+    slope = (at_b - at_a) / (b - a)
+    return lambda x: at_a + slope * (x - a)
+
+
+def _affine_int(at_a: int, at_b: int, a: int, b: int) -> Callable[[int], int]:
+    """The same for integers (exact while the quantity is affine in whole samples), never below 0."""
+    return lambda x: max(0, round((at_a * (b - x) + at_b * (x - a)) / (b - a)))
+
+
+def _same_graph(ops_a: list[OpRecord], ops_b: list[OpRecord]) -> bool:
+    """Whether two counted runs ran the same kernels in the same order (so they pair one to one)."""
+    return len(ops_a) == len(ops_b) and all(
+        x.phase == y.phase and x.op == y.op and [g.kind for g in x.gemms] == [g.kind for g in y.gemms]
+        for x, y in zip(ops_a, ops_b, strict=True)
+    )
+
+
+def _op_time(x: OpRecord, y: OpRecord, a: int, b: int, roofline: Roofline) -> Callable[[int], float]:
+    """The time of one kernel at any batch, from the same kernel at batches ``a`` and ``b``."""
+    flops = _affine(x.flops, y.flops, a, b)
+    nbytes = _affine(x.nbytes, y.nbytes, a, b)
+    dims = [
+        [_affine_int(p, q, a, b) for p, q in ((g.batch, h.batch), (g.m, h.m), (g.n, h.n), (g.k, h.k))]
+        for g, h in zip(x.gemms, y.gemms, strict=True)
+    ]
+    kinds = [g.kind for g in x.gemms]
+
+    def at(n: int) -> float:
+        gemms = tuple(Gemm(kind, *(d(n) for d in dim)) for kind, dim in zip(kinds, dims, strict=True))
+        return roofline.op_us(max(0.0, flops(n)), max(0.0, nbytes(n)), gemms)
+
+    return at
+
+
+def _total(kernels: list[Callable[[int], float]]) -> Callable[[int], float]:
+    return lambda n: sum(k(n) for k in kernels)
+
+
+def _at_least(floor: float, line: Callable[[int], float]) -> Callable[[int], float]:
+    return lambda n: max(floor, line(n))
+
+
+def estimate_curve(
+    block_a: Block,
+    block_b: Block,
+    precision: Precision,
+    spec: DeviceSpec | Roofline,
+    sizes: Iterable[int],
+    *,
+    samples: tuple[int, int] | None = None,
+    cut_bytes: tuple[int, int] = (0, 0),
+    transient_bytes: tuple[int, int] | None = None,
+) -> list[CostPoint]:
+    """The cost curve of one block (see [Note: cost curves] in records.py) at every batch size in ``sizes``.
+
+    torch.export bakes the batch into a captured graph, so a block runs only at the batch it was captured
+    at. ``block_a`` and ``block_b`` are the same block captured at ``a < b`` samples; both run forward and
+    backward on meta tensors under an :class:`OpCounter` (as :func:`estimate_block` runs them), and their
+    kernels pair one to one. A kernel's FLOPs, its bytes and the dimensions of its matrix products are affine
+    in the batch (the batch-proportional dimension: ``M`` of a forward product, ``K`` of a weight gradient,
+    the positions of a convolution), so the lines through their values at ``a`` and ``b`` give them at any
+    batch, and :meth:`Roofline.op_us` prices the kernel there as exactly as a capture at that batch would: no
+    interpolation of times, so memory-bound kernels turning compute-bound and the waves of [Note: GEMM
+    waves] are where they fall. A quantity that is not affine in the batch (a block multiplying the batch
+    with itself) is not caught by two points and comes out wrong.
+
+    When the two runs do not run the same kernels (a block that takes another path at another batch), the
+    pairing is impossible: the forward and backward times then follow the line through the two runs' total
+    times, kept at or above their launch costs.
+
+    Args:
+        block_a: The block captured at ``a`` samples.
+        block_b: The same block captured at ``b > a`` samples.
+        precision: Parameter and compute dtypes, as for :func:`estimate_block`.
+        spec: The device: a spec (priced by ``Roofline.of(spec, precision.compute_name, waves=True)``, TF32 as
+            torch is set now) or a ready :class:`Roofline`.
+        sizes: Batch sizes (samples, at least 1) to put points at; the caller passes powers of two up to the
+            largest micro-batch and that micro-batch.
+
+    Keyword Args:
+        samples: ``(a, b)``, the captures' batch sizes (recommended); default: read from the blocks'
+            inputs by :func:`batch_sizes`.
+        cut_bytes: Bytes crossing the cut after the block at ``a`` and at ``b`` (the captured model's
+            ``cuts[index]``, which a block alone does not know); the curve's ``cut_bytes`` is their line.
+        transient_bytes: Backward's transient peak at ``a`` and at ``b``; default: as the two runs metered it
+            (``Runner.transient_bytes``). The curve's is their line: a peak is the largest of several
+            affine amounts, so between and beyond the two sizes this is an approximation.
+
+    Returns:
+        ``(samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes)`` per size, ascending and
+        without repeats. Activation bytes (the tensors saved for backward) are the line through the two runs'.
+
+    Raises:
+        ConfigError: ``a >= b``, or a size below 1.
+    """
+    a, b = samples if samples is not None else batch_sizes(block_a, block_b)
+    if not 0 < a < b:
+        raise ConfigError(f"a cost curve needs two captures at batch sizes 0 < a < b, got a={a}, b={b}")
+    points = sorted(set(sizes))
+    if points and points[0] < 1:
+        raise ConfigError(f"cost curve sizes must be at least 1 sample, got {points[0]}")
+    roofline = spec if isinstance(spec, Roofline) else Roofline.of(spec, precision.compute_name, waves=True)
+    run_a, saved_a, memory_a = _counted(block_a, precision, roofline, keep_ops=True)
+    run_b, saved_b, memory_b = _counted(block_b, precision, roofline, keep_ops=True)
+    activation = _affine_int(saved_a[0], saved_b[0], a, b)
+    cut = _affine_int(cut_bytes[0], cut_bytes[1], a, b)
+    transient = _affine_int(*(transient_bytes or (memory_a[0], memory_b[0])), a, b)
+
+    phase_time: dict[str, Callable[[int], float]] = {}
+    if _same_graph(run_a.ops, run_b.ops):
+        for phase in ("fwd", "bwd"):
+            kernels = [
+                _op_time(x, y, a, b, roofline)
+                for x, y in zip(run_a.ops, run_b.ops, strict=True)
+                if x.phase == phase
+            ]
+            phase_time[phase] = _total(kernels)
+    else:
+        for phase in ("fwd", "bwd"):
+            ca, cb = run_a.counts[phase], run_b.counts[phase]
+            line = _affine(ca.time_us, cb.time_us, a, b)
+            floor = min(ca.kernels, cb.kernels) * roofline.launch_us
+            phase_time[phase] = _at_least(floor, line)
+    return [
+        (n, phase_time["fwd"](n), phase_time["bwd"](n), activation(n), transient(n), cut(n)) for n in points
+    ]

@@ -1,7 +1,44 @@
-"""Per-aten-op accounting of FLOPs, bytes moved, kernel launches and roofline time under a dispatch mode."""
+"""Per-aten-op accounting of FLOPs, bytes moved, kernel launches and roofline time under a dispatch mode.
+
+[Note: GEMM waves] A GPU runs a matrix product as a grid of output tiles, each tile computed by one streaming
+multiprocessor (SM) over the whole reduction dimension K; tiles are handed to the SMs in waves, and a wave
+takes as long as one tile, however few SMs it occupies. So a product of ``B`` independent ``(M x K) @ (K x N)``
+matrices (``mm``/``addmm``: B = 1; ``bmm``/``baddbmm``: the batch; a convolution: its groups, see
+:func:`conv_gemms`) on a device of ``S`` SMs with output tile ``tm x tn`` costs::
+
+    tiles   = B * ceil(M / tm) * ceil(N / tn)             (the cheaper of the tile's two orientations)
+    split   = min(S // tiles, ceil(K / 256)) if tiles < S else 1      (split-K fills an idle device)
+    waves   = ceil(tiles * split / S)
+    tile_us = 2 * min(tm, M) * min(tn, N) * ceil(K / split) / (peak / S * efficiency)
+    bytes   = operands + output (+ 2 * split * B * M * N * 4 of float32 partial sums when split > 1)
+    time    = max(waves * tile_us, bytes / (bandwidth * bw_efficiency)) + launch_us
+
+``peak`` is the device's dense peak for the product's math (:meth:`DeviceSpec.matmul_flops`: bf16/fp16 tensor
+cores, TF32 tensor cores for float32 where torch allows it, else the plain FP32 units) and ``efficiency`` is
+``DeviceSpec.flops_efficiency``: the fraction of its peak one SM reaches while it works on a tile. The tile is
+CUTLASS's default threadblock shape for the math: 128 x 256 for tensor cores
+(``DefaultGemmConfiguration<OpClassTensorOp, Sm80>``: 128x256x64), and 128 x 128 for float32 on the FMA
+units (``DefaultGemmConfiguration<OpClassSimt>``: 128x128x8, the classic ``sgemm_128x128`` kernels). The SIMT tile is smaller because an SM's FMA units need
+about 7x fewer operand bytes per second than its tensor cores, so a 128x128 tile already keeps them fed (32
+FLOP per float32 operand byte against the 20 an H100 needs at its FP32 rate from DRAM), and a smaller tile
+wastes less of the last wave. A tile is never wider than the matrix (a 2-row product does 2-row tiles, as
+cuBLAS's small kernels do). When the output has fewer tiles than there are SMs, the library splits K (split-K)
+into slices of at least 256 so that more SMs work; the slices' partial sums cost memory traffic. Products of a
+wave or more are not split: this is the classic split-K heuristic, and where a library balances the last wave
+instead (stream-K, persistent kernels), the estimate of such a product is pessimistic by at most one wave.
+
+Examples (H100, 132 SMs, float32 without TF32, 128 x 128 tiles): ``(512 x 5000) @ (5000 x 5000)`` has
+4 x 40 = 160 tiles, 2 waves, 160 of 264 tile slots used (61 %); ``(8192 x 768) @ (768 x 2304)`` has
+64 x 18 = 1152 tiles, 9 waves, 97 % of the slots used. Every other op keeps the plain roofline ``max(flops / (peak x flops_efficiency),
+bytes / (bandwidth x bw_efficiency)) + launch_us`` at :meth:`DeviceSpec.peak_flops`; so do the attention
+kernels (flash/memory-efficient attention are not one GEMM: they fuse two products and a softmax per tile,
+and their FLOP formula is the whole story we know). A spec with one SM (the "cpu" spec), or a
+:class:`Roofline` built with ``waves=False``, prices a product at its FLOPs over the sustained rate: no tiles.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from lightning_autopart.devices import DeviceSpec
+from lightning_autopart.devices import DeviceSpec, tf32_convolutions, tf32_matmuls
 
 __all__: list[str] = []
 
@@ -40,35 +77,262 @@ _EXTRA_FLOPS: dict[Any, Any] = {
     ),
 }
 
+#: Output tile (rows x columns) of one SM's share of a product: tensor-core math, and float32 FMA units.
+TENSOR_CORE_TILE = (128, 256)
+SIMT_TILE = (128, 128)
+#: Smallest slice of K that split-K hands one SM.
+SPLIT_K_MIN = 256
+#: Bytes of one split-K partial sum (accumulated in float32).
+_PARTIAL_BYTES = 4
+
 
 def flop_formula(packet: Any) -> Any:
     """The FLOP formula of an op overload packet, or None when it has none."""
     return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
 
 
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """``batch`` independent ``(m x k) @ (k x n)`` products, of ``kind`` "matmul" or "conv"."""
+
+    kind: str
+    batch: int
+    m: int
+    n: int
+    k: int
+
+    @property
+    def flops(self) -> float:
+        """Multiply-adds times two."""
+        return 2.0 * self.batch * self.m * self.n * self.k
+
+
+@dataclass(frozen=True, slots=True)
+class GemmRate:
+    """How one kind of matrix product runs on a device (see [Note: GEMM waves])."""
+
+    #: Sustained FLOP per microsecond of the whole device (peak x efficiency).
+    flops_per_us: float
+    #: Streaming multiprocessors; 1 means no wave model (a product costs its FLOPs at ``flops_per_us``).
+    sm_count: int = 1
+    #: Output tile of one SM, rows x columns (either orientation is used, whichever needs fewer tiles).
+    tile: tuple[int, int] = SIMT_TILE
+
+    def waves(self, gemm: Gemm) -> tuple[int, int, int]:
+        """``(tiles, split, waves)`` of ``gemm``: output tiles, K slices per tile, and waves over the SMs."""
+        return self._plan(gemm)[1:]
+
+    def compute_us(self, gemm: Gemm) -> tuple[float, float]:
+        """Compute time of ``gemm`` in microseconds, and the extra bytes its split-K partial sums move."""
+        if min(gemm.batch, gemm.m, gemm.n, gemm.k) <= 0:
+            return 0.0, 0.0
+        if self.sm_count <= 1:
+            return gemm.flops / self.flops_per_us, 0.0
+        time_us, _, split, _ = self._plan(gemm)
+        extra = 2.0 * split * gemm.batch * gemm.m * gemm.n * _PARTIAL_BYTES if split > 1 else 0.0
+        return time_us, extra
+
+    def _plan(self, gemm: Gemm) -> tuple[float, int, int, int]:
+        sms = max(1, self.sm_count)
+        per_sm = self.flops_per_us / sms
+        best: tuple[float, int, int, int] | None = None
+        for tm, tn in {self.tile, self.tile[::-1]}:
+            tiles = gemm.batch * -(-gemm.m // tm) * -(-gemm.n // tn)
+            split = 1
+            if 0 < tiles < sms:
+                split = max(1, min(sms // tiles, -(-gemm.k // SPLIT_K_MIN)))
+            waves = -(-tiles * split // sms)
+            tile_flops = 2.0 * min(tm, gemm.m) * min(tn, gemm.n) * -(-gemm.k // split)
+            plan = (waves * tile_flops / per_sm, tiles, split, waves)
+            if best is None or plan < best:
+                best = plan
+        assert best is not None
+        return best
+
+
 @dataclass(slots=True)
 class Roofline:
     """Throughputs of one device in per-microsecond units, ready for the per-op roofline."""
 
-    #: Sustained FLOP per microsecond (peak x efficiency).
+    #: Sustained FLOP per microsecond (peak x efficiency) of ops other than matrix products.
     flops_per_us: float
     #: Sustained bytes per microsecond (bandwidth x efficiency).
     bytes_per_us: float
     #: Fixed cost of each kernel, microseconds.
     launch_us: float
+    #: How ``mm``/``addmm``/``bmm``/``baddbmm`` run; None: at ``flops_per_us``, no tiles.
+    matmul: GemmRate | None = None
+    #: How convolutions run; None: at ``flops_per_us``, no tiles.
+    conv: GemmRate | None = None
 
     @classmethod
-    def of(cls, spec: DeviceSpec, dtype: str) -> Roofline:
-        """The roofline of ``spec`` for compute in ``dtype``."""
+    def of(
+        cls,
+        spec: DeviceSpec,
+        dtype: str,
+        *,
+        waves: bool = False,
+        tf32: bool | None = None,
+        conv_tf32: bool | None = None,
+    ) -> Roofline:
+        """The roofline of ``spec`` for compute in ``dtype``.
+
+        Args:
+            spec: The device.
+            dtype: Compute dtype name ("float32", "bfloat16", ...).
+            waves: Price matrix products by output tiles and waves over ``spec.sm_count`` SMs (see
+                [Note: GEMM waves]); False prices them at their FLOPs, as any other op.
+            tf32: Whether float32 matmuls use TF32 tensor cores; None: as torch is set now (:func:`tf32_matmuls`).
+            conv_tf32: The same for convolutions; None: :func:`tf32_convolutions` (cuDNN's default is True).
+        """
+        tf32 = tf32_matmuls() if tf32 is None else tf32
+        conv_tf32 = tf32_convolutions() if conv_tf32 is None else conv_tf32
+        sms = spec.sm_count if waves else 1
+
+        def rate(allow_tf32: bool) -> GemmRate:
+            tile = TENSOR_CORE_TILE if spec.tensor_cores(dtype, allow_tf32) else SIMT_TILE
+            flops = spec.matmul_flops(dtype, allow_tf32) * spec.flops_efficiency / 1e6
+            return GemmRate(flops, sms, tile)
+
         return cls(
             flops_per_us=spec.peak_flops(dtype) * spec.flops_efficiency / 1e6,
             bytes_per_us=spec.memory_bw * spec.bw_efficiency / 1e6,
             launch_us=spec.launch_us,
+            matmul=rate(tf32),
+            conv=rate(conv_tf32),
         )
 
-    def op_us(self, flops: float, nbytes: float) -> float:
-        """Time of one kernel: the slower of compute and memory traffic, plus its launch."""
-        return max(flops / self.flops_per_us, nbytes / self.bytes_per_us) + self.launch_us
+    def gemm_us(self, gemm: Gemm) -> tuple[float, float]:
+        """Compute time of one matrix product and the extra bytes it moves (split-K partial sums)."""
+        rate = self.conv if gemm.kind == "conv" else self.matmul
+        if rate is None:
+            return gemm.flops / self.flops_per_us, 0.0
+        return rate.compute_us(gemm)
+
+    def op_us(self, flops: float, nbytes: float, gemms: tuple[Gemm, ...] = ()) -> float:
+        """Time of one kernel: the slower of compute and memory traffic, plus its launch.
+
+        An op with ``gemms`` (a matrix product or convolution) computes for the time of its products as
+        [Note: GEMM waves] prices them, whatever ``flops`` says; any other op for ``flops`` at the plain rate.
+        """
+        if not gemms:
+            return max(flops / self.flops_per_us, nbytes / self.bytes_per_us) + self.launch_us
+        compute = extra = 0.0
+        for gemm in gemms:
+            us, more = self.gemm_us(gemm)
+            compute += us
+            extra += more
+        return max(compute, (nbytes + extra) / self.bytes_per_us) + self.launch_us
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
+    return (Gemm("matmul", 1, a.shape[0], b.shape[1], a.shape[1]),)
+
+
+def _addmm(c: Any, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
+    return _mm(a, b)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
+    return (Gemm("matmul", a.shape[0], a.shape[1], b.shape[2], a.shape[2]),)
+
+
+def _baddbmm(c: Any, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
+    return _bmm(a, b)
+
+
+def conv_gemms(
+    weight_shape: tuple[int, ...], groups: int, positions: int, which: tuple[str, ...]
+) -> tuple[Gemm, ...]:
+    """A convolution's products as implicit GEMMs, per group (so ``batch`` is ``groups``).
+
+    Write the convolution as the plain (not transposed) one it is built on: ``weight_shape`` is
+    ``(Co, Ci / groups, *kernel)`` for it (a transposed convolution's weight, ``(C_in, C_out / groups, *k)``,
+    is that of the plain convolution from its output to its input), and ``positions`` is batch times the
+    spatial size of that plain convolution's output (a transposed convolution's input). Then, with
+    ``P = positions``, ``R = Ci / groups * prod(kernel)``:
+
+    - "fwd": the plain forward (im2col), ``P x (Co / groups)`` outputs over ``K = R``;
+    - "dgrad": the gradient of its input, or a transposed convolution's forward (col2im), ``P x R`` outputs
+      over ``K = Co / groups``;
+    - "wgrad": the weight gradient, ``(Co / groups) x R`` outputs over ``K = P``.
+
+    Each has the FLOPs ``torch.utils.flop_counter`` gives the convolution (except grouped weight gradients,
+    which it counts ``groups`` times over).
+    """
+    co, ci_g = weight_shape[0], weight_shape[1]
+    r = ci_g * math.prod(weight_shape[2:])
+    co_g = co // max(1, groups)
+    shapes = {"fwd": (positions, co_g, r), "dgrad": (positions, r, co_g), "wgrad": (co_g, r, positions)}
+    return tuple(Gemm("conv", groups, *shapes[w]) for w in which)
+
+
+def _convolution(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    transposed: bool,
+    output_padding: Any,
+    groups: int,
+    *args: Any,
+    out_val: Any = None,
+    **kwargs: Any,
+) -> tuple[Gemm, ...]:
+    plain_out = x if transposed else out_val
+    positions = plain_out.shape[0] * math.prod(plain_out.shape[2:])
+    return conv_gemms(tuple(w.shape), groups, positions, ("dgrad",) if transposed else ("fwd",))
+
+
+def _convolution_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias_sizes: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    transposed: bool,
+    output_padding: Any,
+    groups: int,
+    output_mask: Any,
+    *args: Any,
+    out_val: Any = None,
+    **kwargs: Any,
+) -> tuple[Gemm, ...]:
+    plain_out = x if transposed else grad_out
+    positions = plain_out.shape[0] * math.prod(plain_out.shape[2:])
+    which = []
+    if output_mask[0]:
+        which.append("fwd" if transposed else "dgrad")
+    if output_mask[1]:
+        which.append("wgrad")
+    return conv_gemms(tuple(w.shape), groups, positions, tuple(which))
+
+
+#: The matrix products of an op, from its arguments (and ``out_val``), as [Note: GEMM waves] prices them.
+_GEMMS: dict[Any, Any] = {
+    _aten.mm: _mm,
+    _aten.addmm: _addmm,
+    _aten.bmm: _bmm,
+    _aten.baddbmm: _baddbmm,
+    _aten.convolution: _convolution,
+    _aten._convolution: _convolution,
+    _aten.convolution_backward: _convolution_backward,
+}
+
+
+def gemms_of(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[Gemm, ...]:
+    """The matrix products op ``packet`` runs on ``args``; () for other ops or arguments it cannot read."""
+    shapes = _GEMMS.get(packet)
+    if shapes is None:
+        return ()
+    try:
+        return tuple(shapes(*args, **kwargs, out_val=out))
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return ()
 
 
 @dataclass(slots=True)
@@ -81,24 +345,44 @@ class PhaseCount:
     time_us: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One kernel the counter saw: what :meth:`Roofline.op_us` needs to price it at any size."""
+
+    #: "fwd" or "bwd".
+    phase: str
+    #: The aten overload ("aten.mm.default").
+    op: str
+    flops: float
+    nbytes: float
+    #: Its matrix products (empty for other ops).
+    gemms: tuple[Gemm, ...]
+
+
 class OpCounter(TorchDispatchMode):
     """Counts every aten op run while :attr:`phase` names a phase ("fwd" or "bwd"); ops outside are free.
 
     FLOPs come from ``torch.utils.flop_counter``'s registered formulas (plus CPU flash attention). An op
     without a formula that decomposes (a composite op) is counted as one kernel whose FLOPs are those of
     its decomposition, so the op count stays the number of launches. Bytes moved are the sizes of the
-    op's tensor arguments plus its outputs. Views and allocations are free: no kernel, no bytes.
+    op's tensor arguments plus its outputs. Views and allocations are free: no kernel, no bytes. Matrix
+    products and convolutions also record their GEMM shapes (see [Note: GEMM waves]); with ``keep_ops``
+    every kernel is kept in :attr:`ops`.
     """
 
-    def __init__(self, roofline: Roofline | None = None) -> None:
+    def __init__(self, roofline: Roofline | None = None, *, keep_ops: bool = False) -> None:
         super().__init__()
         self.roofline = roofline
         #: The phase being counted, or None to run ops uncounted.
         self.phase: str | None = None
         #: Totals per phase name.
         self.counts: dict[str, PhaseCount] = {"fwd": PhaseCount(), "bwd": PhaseCount()}
+        #: Every counted kernel in order, when ``keep_ops``.
+        self.ops: list[OpRecord] = []
+        self._keep_ops = keep_ops
         self._depth = 0
         self._pending_flops = 0.0
+        self._pending_gemms: list[Gemm] = []
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -110,6 +394,7 @@ class OpCounter(TorchDispatchMode):
         top = self._depth == 0
         if top:
             self._pending_flops = 0.0
+            self._pending_gemms = []
         formula = flop_formula(packet)
         out: Any = NotImplemented
         if formula is None and packet not in _NO_KERNEL:
@@ -123,19 +408,24 @@ class OpCounter(TorchDispatchMode):
             out = func(*args, **kwargs)
             if formula is not None:
                 self._pending_flops += float(formula(*args, **kwargs, out_val=out))
+            self._pending_gemms.extend(gemms_of(packet, args, kwargs, out))
         if top:
             self._record(func, packet, (args, kwargs, out))
         return out
 
     def _record(self, func: Any, packet: Any, tensors: Any) -> None:
-        count = self.counts[self.phase or "fwd"]
+        phase = self.phase or "fwd"
+        count = self.counts[phase]
         flops = self._pending_flops
         count.flops += flops
         if func.is_view or packet in _NO_KERNEL:
             return
         leaves, _ = tree_flatten(tensors)
         nbytes = float(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
+        gemms = tuple(self._pending_gemms)
         count.nbytes += nbytes
         count.kernels += 1
         if self.roofline is not None:
-            count.time_us += self.roofline.op_us(flops, nbytes)
+            count.time_us += self.roofline.op_us(flops, nbytes, gemms)
+        if self._keep_ops:
+            self.ops.append(OpRecord(phase, str(func), flops, nbytes, gemms))
