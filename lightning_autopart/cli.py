@@ -22,8 +22,10 @@ from torch import nn
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import device_spec
 from lightning_autopart.errors import AutopartError, ConfigError
+from lightning_autopart.lightning_hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan
 from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model, profile_model
+from lightning_autopart.profile.loss import LossFn
 from lightning_autopart.report import WIDTH, print_plan
 
 __all__ = ["build_parser", "main"]
@@ -66,6 +68,12 @@ def build_parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
         "for measure).",
     )
     plan.add_argument("--optimizer", type=str, default="sgd", help="sgd, sgd_momentum, adam or adamw.")
+    plan.add_argument(
+        "--precision",
+        type=str,
+        default="32-true",
+        help="Training precision, as the Trainer's: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true.",
+    )
     plan.add_argument(
         "--num-stages", type=int | None, default=None, help="Pipeline stages (default: searched)."
     )
@@ -193,10 +201,14 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
         spec or _local_spec(), devices=cfg.devices, nodes=cfg.nodes, device_memory=cfg.device_memory
     )
     model = _build_model(cfg.model, meta=estimate)
-    inputs = _example_inputs(cfg, model, meta=estimate)
+    step = _training_step(model, meta=estimate) if cfg.input_shape is None else None
+    if step is not None:
+        root, inputs, loss, samples = step
+    else:
+        root, inputs, loss, samples = model, _example_inputs(cfg, model, meta=estimate), None, None
     with _progress(err) as progress:
         plan = plan_model(
-            model,
+            root,
             inputs,
             cluster,
             cfg.batch_size,
@@ -209,6 +221,9 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
             schedules=cfg.schedule,
             max_blocks=cfg.max_blocks,
             progress=progress,
+            dtype=None if cfg.precision in ("32", "32-true") else cfg.precision,
+            loss=loss,
+            loss_samples=samples,
         )
     print_plan(plan, out)
     if cfg.output:
@@ -272,6 +287,29 @@ def _build_model(spec: Namespace, *, meta: bool) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {spec.class_path} did not build an nn.Module")
     return model
+
+
+def _training_step(model: nn.Module, *, meta: bool) -> tuple[nn.Module, Any, LossFn, int] | None:
+    """For a LightningModule with a ``train_dataloader``: the module its ``training_step`` calls, that call's
+    inputs on the first batch, the step's loss as a function of the module's output, and the batch's samples
+    (see [Note: the loss]); None for any other model (it plans from ``example_input_array`` alone)."""
+    loader, training_step = getattr(model, "train_dataloader", None), getattr(model, "training_step", None)
+    if not callable(loader) or not callable(training_step):
+        return None
+    try:
+        batch = next(iter(loader()))
+    except StopIteration:
+        raise ConfigError(
+            f"{type(model).__name__}.train_dataloader() yields no batch; give it data, or pass --input-shape"
+        ) from None
+    except Exception:  # no train_dataloader implemented (Lightning's default raises): plan from the example
+        return None
+    if meta:
+        batch = meta_inputs(batch)
+    call = find_forward(model, lambda: training_step(batch, 0))
+    root = model.get_submodule(call.name) if call.name else model
+    samples = batch_size_of(batch)
+    return root, (call.args, call.kwargs), step_loss(model, call.name, batch, samples), samples
 
 
 def _example_inputs(cfg: Namespace, model: nn.Module, *, meta: bool) -> Any:

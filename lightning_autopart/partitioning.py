@@ -50,6 +50,8 @@ class PlanSettings:
     max_blocks: int = 64
     #: Optimizer whose state the memory model counts (see :func:`optimizer_kind`).
     optimizer: str = "sgd"
+    #: Training precision the cost model prices (Lightning's names: "32-true", "bf16-mixed", ...).
+    precision: str | None = None
 
 
 def optimizer_kind(optimizers: Iterable[Any]) -> str:
@@ -230,6 +232,7 @@ def _make_plan(
         max_blocks=settings.max_blocks,
         up_to=local_batch,
         loss=loss,
+        dtype=_profile_dtype(settings.precision),
     )
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
         why = "".join(f"; {note}" for note in prof.meta.get("capture_notes", ()))
@@ -265,6 +268,14 @@ def _make_plan(
         assert failure is not None
         raise failure
     return dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks})
+
+
+def _profile_dtype(precision: str | None) -> str | None:
+    """The profile dtype of a Lightning precision; None (the parameters' own dtype) for "32-true" and for
+    precisions the cost model does not know (they are priced as the parameters' dtype)."""
+    from lightning_autopart.profile.precision import known_precisions
+
+    return precision if precision in known_precisions() and precision not in ("32", "32-true") else None
 
 
 def _spec(device: torch.device, profile: str) -> str:

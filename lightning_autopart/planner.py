@@ -11,13 +11,13 @@ from torch import nn
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec, device_spec_names
-from lightning_autopart.errors import ConfigError
+from lightning_autopart.errors import CaptureError, ConfigError, ProfileError
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.records import ModelProfile
 
 if TYPE_CHECKING:
     from lightning_autopart.graph import CapturedModel
-    from lightning_autopart.profile.loss import LossCost, LossFn
+    from lightning_autopart.profile.loss import LossFn
 
 __all__ = ["check_settings", "example_inputs_of", "meta_inputs", "plan_model", "profile_model"]
 
@@ -52,73 +52,109 @@ def profile_model(
     progress: Progress | None = None,
     up_to: int | None = None,
     loss: LossFn | None = None,
+    loss_samples: int | None = None,
+    dtype: str | None = None,
 ) -> ModelProfile:
     """Capture ``model`` on ``example_inputs`` and profile its blocks (``profile`` is "estimate" or "measure").
 
-    With ``up_to`` (the largest micro-batch a plan may use), "measure" captures and times the model at the sizes
-    of :func:`~lightning_autopart.profile.curves.curve_sizes` (the example's samples sliced or repeated) and
-    gives every block a cost curve (see [Note: cost curves]). ``loss(output, samples)``, when given, is the
-    training loss computed from the model's output; it is profiled at each size and added to the last block
-    (see [Note: the loss]); a loss that fails there is left unpriced and ``meta["loss_error"]`` says why.
+    With ``up_to`` (the largest micro-batch a plan may use), every block gets a cost curve (see [Note: cost
+    curves]): "measure" captures and times the model at the sizes of
+    :func:`~lightning_autopart.profile.curves.curve_sizes` (the example's samples sliced or repeated);
+    "estimate" captures it at two sizes and prices every kernel at each size of
+    :func:`~lightning_autopart.profile.curves.estimate_sizes`. ``loss(output, samples)``, when given, is the
+    training loss computed from the model's output; it is profiled at each size up to ``loss_samples`` (default
+    ``up_to``: the samples the loss has labels for) and added to the last block (see [Note: the loss]); a loss
+    that fails there is left unpriced and ``meta["loss_error"]`` says why. ``dtype`` is the training precision
+    ("32-true", "bf16-mixed", "16-mixed", "bf16-true", ...; default: the parameters' dtype).
     """
     from lightning_autopart.capture import capture
     from lightning_autopart.profile import profile as profile_blocks
-    from lightning_autopart.profile.curves import curve_sizes, join_curves, resize_batch
+    from lightning_autopart.profile.curves import (
+        add_loss,
+        curve_sizes,
+        estimate_sizes,
+        join_curves,
+        resize_batch,
+    )
     from lightning_autopart.profile.loss import profile_loss
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
     captured = capture(model, example_inputs, max_blocks=max_blocks)
     b0 = captured.batch_size
-    sizes = curve_sizes(up_to) if profile == "measure" and up_to is not None else [b0]
-    profiles: dict[int, ModelProfile] = {}
-    losses: dict[int, LossCost] = {}
-    loss_error = None
-    for size in sizes:
-        inputs = example_inputs if size == b0 else resize_batch(example_inputs, b0, size)
-        at = captured if size == b0 else capture(model, inputs, max_blocks=max_blocks)
-        profiles[size] = profile_blocks(
-            at, mode=profile, spec=spec, optimizer=optimizer, progress=progress if size == sizes[-1] else None
-        )
-        if loss is not None and loss_error is None:
-            try:
-                estimate = profile == "estimate"
-                output = _example_output(at, "meta" if estimate else profiles[size].device)
-                roofline = _roofline_of(profiles[size]) if estimate else None
-                losses[size] = profile_loss(loss, output, size, roofline=roofline)
-            except Exception as error:  # user code: the loss stays unpriced, and the profile says why
-                loss_error = f"{type(error).__name__}: {error}"
-                losses = {}
-    result = join_curves(profiles, losses or None) if len(sizes) > 1 or losses else profiles[b0]
     notes: dict[str, Any] = {"capture_notes": list(captured.notes)} if captured.notes else {}
-    if loss_error is not None:
-        notes["loss_error"] = loss_error
+    settings: dict[str, Any] = {"mode": profile, "spec": spec, "optimizer": optimizer, "dtype": dtype}
+    outputs: dict[int, Any] = {}
+    if profile == "estimate" and up_to is not None:
+        twin = capture(model, resize_batch(example_inputs, b0, 2 * b0), max_blocks=max_blocks)
+        if twin.batch_size != 2 * b0 or twin.num_blocks != captured.num_blocks:
+            raise ProfileError(
+                f"the model captured at batch {2 * b0} has {twin.num_blocks} blocks (batch {twin.batch_size}), at "
+                f"batch {b0} {captured.num_blocks}: its structure depends on the batch size; use profile='measure'"
+            )
+        sizes = estimate_sizes(up_to)
+        result = profile_blocks(captured, **settings, progress=progress, twin=twin, sizes=sizes)
+        outputs = {n: _example_output(captured, "meta", _shapes_at(captured, twin, n)) for n in sizes}
+    else:
+        sizes = curve_sizes(up_to) if profile == "measure" and up_to is not None else [b0]
+        profiles: dict[int, ModelProfile] = {}
+        for size in sizes:
+            last = size == sizes[-1]
+            try:
+                at = captured if size == b0 else capture(
+                    model, resize_batch(example_inputs, b0, size), max_blocks=max_blocks
+                )
+                profiles[size] = profile_blocks(at, **settings, progress=progress if last else None)
+            except (CaptureError, ProfileError) as error:
+                if last or size >= b0 or profiles:  # only the smallest sizes may fail (BatchNorm of 1 value)
+                    raise
+                notes.setdefault("curve_skipped", []).append(f"{size}: {type(error).__name__}: {error}"[:300])
+                continue
+            device = "meta" if profile == "estimate" else profiles[size].device
+            outputs[size] = _example_output(at, device)
+        result = join_curves(profiles) if len(profiles) > 1 else next(iter(profiles.values()))
+    if loss is not None:
+        roofline = _roofline_of(result) if profile == "estimate" else None
+        limit = loss_samples if loss_samples is not None else (up_to or b0)
+        try:
+            losses = {
+                n: profile_loss(loss, out, n, roofline=roofline) for n, out in outputs.items() if n <= limit
+            }
+            result = add_loss(result, losses)
+        except Exception as error:  # user code: the loss stays unpriced, and the profile says why
+            notes["loss_error"] = f"{type(error).__name__}: {error}"
     return dataclasses.replace(result, meta={**result.meta, **notes}) if notes else result
 
 
-def _example_output(captured: CapturedModel, device: str) -> Any:
-    """A stand-in for the model's output at the capture's batch size, on ``device`` (random floats; values do not
-    change what a loss costs), in the structure the forward returns."""
+def _shapes_at(a: CapturedModel, b: CapturedModel, n: int) -> list[tuple[int, ...]]:
+    """The shapes of the model's outputs at ``n`` samples, each dimension on the line through two captures."""
+    sa, sb = a.batch_size, b.batch_size
+    return [
+        tuple(x + (y - x) * (n - sa) // (sb - sa) for x, y in zip(p.shape, q.shape, strict=True))
+        for p, q in zip(a.cuts[-1], b.cuts[-1], strict=True)
+    ]
+
+
+def _example_output(captured: CapturedModel, device: str, shapes: list[tuple[int, ...]] | None = None) -> Any:
+    """A stand-in for the model's output (at the capture's batch size, or of ``shapes``) on ``device`` (random
+    floats; values do not change what a loss costs), in the structure the forward returns."""
     tensors = []
-    for info in captured.cuts[-1]:
+    for k, info in enumerate(captured.cuts[-1]):
         dtype = getattr(torch, info.dtype)
+        shape = shapes[k] if shapes is not None else info.shape
         if dtype.is_floating_point:
-            tensors.append(torch.randn(info.shape, dtype=dtype, device=device))
+            tensors.append(torch.randn(shape, dtype=dtype, device=device))
         else:
-            tensors.append(torch.zeros(info.shape, dtype=dtype, device=device))
+            tensors.append(torch.zeros(shape, dtype=dtype, device=device))
     return captured.output.rebuild(tensors)
 
 
 def _roofline_of(prof: ModelProfile) -> Any:
-    """The roofline an estimate profile priced its blocks with (its spec's figures are in its meta)."""
+    """The roofline an estimate profile priced its blocks with (the spec it names, its compute dtype)."""
+    from lightning_autopart.profile import resolve_spec
     from lightning_autopart.profile.opcount import Roofline
 
-    meta = prof.meta
-    return Roofline(
-        flops_per_us=meta["peak_flops"] * meta["flops_efficiency"] / 1e6,
-        bytes_per_us=meta["memory_bw"] * meta["bw_efficiency"] / 1e6,
-        launch_us=meta["launch_us"],
-    )
+    return Roofline.of(resolve_spec(prof.meta["spec"]), prof.meta["compute_dtype"], waves=True)
 
 
 def plan_model(
@@ -136,6 +172,9 @@ def plan_model(
     schedules: Sequence[str] | None = None,
     max_blocks: int = 64,
     progress: Progress | None = None,
+    dtype: str | None = None,
+    loss: LossFn | None = None,
+    loss_samples: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``cluster`` at global ``batch_size``: capture -> profile -> partition.
 
@@ -157,6 +196,13 @@ def plan_model(
         schedules: Schedules to consider, from :data:`~lightning_autopart.plan.SCHEDULES` (None: all).
         max_blocks: Finest block count capture may split the model into.
         progress: Called as ``progress(done, total, block_name)`` while profiling.
+        dtype: Training precision ("32-true", "bf16-mixed", "16-mixed", "bf16-true"; default: the parameters').
+        loss: The training loss as a function of the model's output (see :func:`profile_model`).
+        loss_samples: The most samples ``loss`` has labels for.
+
+    Blocks get cost curves up to the largest micro-batch a plan may use: the global batch in "estimate" (meta
+    runs cost nothing); in "measure", the per-device share of it (what each rank would load, as the strategy
+    profiles), beyond which the curves extend along their last two points.
 
     Raises:
         ConfigError: A setting is invalid (the message names it and the fix).
@@ -178,6 +224,10 @@ def plan_model(
         optimizer=optimizer,
         max_blocks=max_blocks,
         progress=progress,
+        up_to=batch_size if profile == "estimate" else max(1, batch_size // cluster.world_size),
+        loss=loss,
+        loss_samples=loss_samples,
+        dtype=dtype,
     )
     plan = partition(
         prof,

@@ -255,6 +255,7 @@ class AutoPartitionStrategy(ParallelStrategy):
             self.load_plan,
             self.save_plan,
             optimizer=optimizer_kind(self.optimizers),
+            precision=str(getattr(self.precision_plugin, "precision", "32-true")),
         )
         plan = plan_for_batch(
             settings,

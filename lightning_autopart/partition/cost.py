@@ -218,7 +218,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     v, at, cap = cc.v, cc.at, tables.cap
     tp, tg, to, tn = tables.tied_extra(i, j)
     st = tables.static[j] - tables.static[i] + tp + tg + to
-    a_sum = at.acts[j] - at.acts[i]
+    a_sum = at.acts[j] - at.acts[i] + at.shared[i]
     trans = at.transient(i, j)
     grad = tables.grads[j] - tables.grads[i] + tg
     y = int(grad * tables.opt_transient)

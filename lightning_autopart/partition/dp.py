@@ -224,6 +224,7 @@ def solve(
     start, room, cap = relax.start, relax.room(tau), tables.cap
     at = cc.at
     pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
+    sh = at.shared
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
@@ -264,7 +265,7 @@ def solve(
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                             gr += tc.grad_bytes
                             opt += tc.optimizer_us
-                a_sum = paj - pa[i]
+                a_sum = paj - pa[i] + sh[i]
                 x = trans(i, j)
                 y = int(gr * yf)
                 if v * (st + max(x + infl * a_sum, y)) <= cap:
@@ -333,6 +334,7 @@ def solve_memory(
         return None
     at = cc.at
     ps, pa, cin, trans, tied = tables.static, at.acts, at.stage_input, at.transient, tables.tied
+    sh = at.shared
     pg, yf = tables.grads, tables.opt_transient
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
@@ -356,7 +358,7 @@ def solve_memory(
                     break
                 st = ps[j] - ps[i]
                 gr = pg[j] - pg[i]
-                a_sum = pa[j] - pa[i]
+                a_sum = pa[j] - pa[i] + sh[i]
                 units = infl * a_sum
                 if ck:
                     units = min(units, infl * cin[i] + a_sum)

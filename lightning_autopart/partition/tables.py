@@ -59,7 +59,9 @@ class SizeTables:
     """Everything that depends on the micro-batch size ``m``, from the blocks' cost curves.
 
     ``pf``/``pb``: prefix sums of forward and backward time; ``big``: the largest ``f_k + b_k``; ``acts``:
-    prefix sums of saved-activation bytes; ``stage_input[i]``: bytes a stage starting at block ``i`` receives;
+    prefix sums of saved-activation bytes less ``shared``; ``shared[k]``: bytes block ``k`` saves that block
+    ``k - 1`` saves too (see [Note: saved twice]; a stage ``[i, j)`` holds ``acts[j] - acts[i] + shared[i]``);
+    ``stage_input[i]``: bytes a stage starting at block ``i`` receives;
     ``cuts[k]``: bytes crossing the cut after block ``k``; ``transient(i, j)``: the largest backward transient
     of blocks ``[i, j)``.
     """
@@ -69,6 +71,7 @@ class SizeTables:
     pb: list[float]
     big: float
     acts: list[int]
+    shared: list[int]
     stage_input: list[int]
     cuts: list[int]
     transient: RangeMax
@@ -173,12 +176,15 @@ class CostTables:
                 pb.append(pb[-1] + c.bwd_us)
             cuts = [c.cut_bytes for c in costs]
             first = -(-self.profile.input_bytes * m // self.b0)
+            blocks = self.profile.blocks
+            shared = [0] + [round(blocks[k].saved_by_previous * cuts[k - 1]) for k in range(1, len(costs))]
             got = SizeTables(
                 m=m,
                 pf=pf,
                 pb=pb,
                 big=max(c.fwd_us + c.bwd_us for c in costs),
-                acts=_prefix([c.activation_bytes for c in costs]),
+                acts=_prefix([max(0, c.activation_bytes - d) for c, d in zip(costs, shared, strict=True)]),
+                shared=shared,
                 stage_input=[first, *cuts[:-1]],
                 cuts=cuts,
                 transient=RangeMax([c.transient_bytes for c in costs]),

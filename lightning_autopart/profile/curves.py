@@ -11,9 +11,9 @@ from torch.utils._pytree import tree_map
 
 from lightning_autopart.errors import ProfileError
 from lightning_autopart.profile.loss import LossCost
-from lightning_autopart.records import CostPoint, ModelProfile
+from lightning_autopart.records import BlockProfile, CostPoint, ModelProfile
 
-__all__ = ["curve_sizes", "join_curves", "resize_batch"]
+__all__ = ["add_loss", "curve_sizes", "estimate_sizes", "join_curves", "resize_batch"]
 
 
 def curve_sizes(largest: int) -> list[int]:
@@ -24,6 +24,17 @@ def curve_sizes(largest: int) -> list[int]:
     while size < largest:
         sizes.add(size)
         size *= 4
+    return sorted(sizes)
+
+
+def estimate_sizes(largest: int) -> list[int]:
+    """The batch sizes an estimated curve has points at: every power of two below ``largest``, and ``largest``
+    (meta runs cost nothing, so each size the planner may use is priced, not interpolated, up to a factor 2)."""
+    sizes = {largest}
+    size = 1
+    while size < largest:
+        sizes.add(size)
+        size *= 2
     return sorted(sizes)
 
 
@@ -40,9 +51,9 @@ def resize_batch(inputs: Any, batch: int, size: int) -> Any:
     return tree_map(resize, inputs)
 
 
-def join_curves(profiles: Mapping[int, ModelProfile], losses: Mapping[int, LossCost] | None = None) -> ModelProfile:
-    """One profile whose blocks carry curves through ``profiles`` (by batch size), the loss added to the last
-    block (see [Note: the loss] in loss.py); its other fields are those of the largest batch's profile.
+def join_curves(profiles: Mapping[int, ModelProfile]) -> ModelProfile:
+    """One profile whose blocks carry curves through ``profiles`` (by batch size); its other fields are those of
+    the largest batch's profile.
 
     Raises:
         ProfileError: the profiles are of different blocks (the model's structure depends on the batch size).
@@ -56,28 +67,87 @@ def join_curves(profiles: Mapping[int, ModelProfile], losses: Mapping[int, LossC
                 f"the profile at batch {size} has other blocks than the one at batch {sizes[-1]}; "
                 "the model's structure depends on the batch size"
             )
-    last = len(names) - 1
     blocks = []
     for k, block in enumerate(base.blocks):
         points: list[CostPoint] = []
         for size in sizes:
             b = profiles[size].blocks[k]
-            fwd, bwd, saved, transient = b.fwd_us, b.bwd_us, b.activation_bytes, b.transient_bytes
-            loss = losses.get(size) if losses is not None and k == last else None
-            if loss is not None:
-                fwd, bwd = fwd + loss.fwd_us, bwd + loss.bwd_us
-                saved, transient = saved + loss.saved_bytes, max(transient, loss.transient_bytes)
-            points.append((size, fwd, bwd, saved, transient, b.cut_bytes))
-        top = points[-1]
-        blocks.append(
-            dataclasses.replace(
-                block,
-                curve=tuple(points),
-                fwd_us=top[1],
-                bwd_us=top[2],
-                activation_bytes=top[3],
-                transient_bytes=top[4],
+            points.append((size, b.fwd_us, b.bwd_us, b.activation_bytes, b.transient_bytes, b.cut_bytes))
+        blocks.append(_with_points(block, points))
+    return dataclasses.replace(base, blocks=tuple(blocks), meta={**base.meta, "curve_sizes": sizes})
+
+
+def add_loss(profile: ModelProfile, losses: Mapping[int, LossCost]) -> ModelProfile:
+    """``profile`` with the training loss (see [Note: the loss] in loss.py) added to its last block.
+
+    ``losses`` holds the loss's cost at some batch sizes; at the last block's other curve sizes it is the line
+    through the nearest two (beyond the largest: through the largest two). Without a curve, the loss at the
+    profile's batch size is added to the block's figures.
+    """
+    if not losses or not profile.blocks:
+        return profile
+    last = profile.blocks[-1]
+    points = list(last.curve) or [
+        (profile.batch_size, last.fwd_us, last.bwd_us, last.activation_bytes, last.transient_bytes, last.cut_bytes)
+    ]
+    joined = []
+    for n, fwd, bwd, saved, transient, cut in points:
+        loss = _loss_at(losses, n)
+        joined.append(
+            (
+                n,
+                fwd + loss.fwd_us,
+                bwd + loss.bwd_us,
+                saved + loss.saved_bytes,
+                max(transient, loss.transient_bytes),
+                cut,
             )
         )
-    meta = {**base.meta, "curve_sizes": sizes, "loss_priced": bool(losses)}
-    return dataclasses.replace(base, blocks=tuple(blocks), meta=meta)
+    block = _with_points(last, joined)
+    if not last.curve:
+        block = dataclasses.replace(block, curve=())
+    meta = {**profile.meta, "loss_priced": True}
+    return dataclasses.replace(profile, blocks=(*profile.blocks[:-1], block), meta=meta)
+
+
+def _loss_at(losses: Mapping[int, LossCost], n: int) -> LossCost:
+    """The loss at ``n`` samples: measured there, else the line through the nearest two measured sizes."""
+    if n in losses:
+        return losses[n]
+    sizes = sorted(losses)
+    if len(sizes) == 1:
+        only = losses[sizes[0]]
+        scale = n / sizes[0]
+        return LossCost(
+            only.fwd_us * scale, only.bwd_us * scale, round(only.saved_bytes * scale), round(only.transient_bytes * scale)
+        )
+    k = 1
+    while k < len(sizes) - 1 and sizes[k] < n:
+        k += 1
+    a, b = sizes[k - 1], sizes[k]
+    t = (n - a) / (b - a)
+    la, lb = losses[a], losses[b]
+
+    def line(x: float, y: float) -> float:
+        return max(0.0, x + (y - x) * t)
+
+    return LossCost(
+        line(la.fwd_us, lb.fwd_us),
+        line(la.bwd_us, lb.bwd_us),
+        round(line(la.saved_bytes, lb.saved_bytes)),
+        round(line(la.transient_bytes, lb.transient_bytes)),
+    )
+
+
+def _with_points(block: BlockProfile, points: list[CostPoint]) -> BlockProfile:
+    """``block`` with the curve ``points``, its figures those of the largest size."""
+    top = points[-1]
+    return dataclasses.replace(
+        block,
+        curve=tuple(points),
+        fwd_us=top[1],
+        bwd_us=top[2],
+        activation_bytes=top[3],
+        transient_bytes=top[4],
+        cut_bytes=top[5],
+    )

@@ -80,15 +80,15 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
     opcount.py); the fixed part of a phase is its kernel count times ``launch_us``. Saved-tensor bytes and
     backward's transient peak are metered as in measure mode.
     """
-    counter, saved, memory = _counted(block, precision, roofline, keep_ops=False)
+    counter, saved, memory, names = _counted(block, precision, roofline, keep_ops=False)
     fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
     fixed = (fwd.kernels * roofline.launch_us, bwd.kernels * roofline.launch_us)
-    return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed, memory)
+    return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed, memory, names)
 
 
 def _counted(
     block: Block, precision: Precision, roofline: Roofline, *, keep_ops: bool
-) -> tuple[OpCounter, tuple[int, int, int], tuple[int, int]]:
+) -> tuple[OpCounter, tuple[int, int, int], tuple[int, int], tuple[frozenset[str], frozenset[str]]]:
     """A counted forward and backward of a meta copy of ``block``, its saved bytes as ``Runner.counted_run``
     returns them, and its (transient, cast) bytes (see estimate_block)."""
     compute = Precision(precision.name, precision.compute, precision.compute)
@@ -99,7 +99,7 @@ def _counted(
         saved = runner.counted_run(counter)
     finally:
         runner.release()  # see [Note: no copy outlives the profiler] in sandbox.py
-    return counter, saved, (runner.transient_bytes, runner.cast_bytes)
+    return counter, saved, (runner.transient_bytes, runner.cast_bytes), runner.saved_names
 
 
 def batch_sizes(block_a: Block, block_b: Block) -> tuple[int, int]:
@@ -222,8 +222,8 @@ def estimate_curve(
     if points and points[0] < 1:
         raise ConfigError(f"cost curve sizes must be at least 1 sample, got {points[0]}")
     roofline = spec if isinstance(spec, Roofline) else Roofline.of(spec, precision.compute_name, waves=True)
-    run_a, saved_a, memory_a = _counted(block_a, precision, roofline, keep_ops=True)
-    run_b, saved_b, memory_b = _counted(block_b, precision, roofline, keep_ops=True)
+    run_a, saved_a, memory_a, _ = _counted(block_a, precision, roofline, keep_ops=True)
+    run_b, saved_b, memory_b, _ = _counted(block_b, precision, roofline, keep_ops=True)
     activation = _affine_int(saved_a[0], saved_b[0], a, b)
     cut = _affine_int(cut_bytes[0], cut_bytes[1], a, b)
     transient = _affine_int(*(transient_bytes or (memory_a[0], memory_b[0])), a, b)

@@ -60,6 +60,7 @@ def measure_blocks(
     counters: list[OpCounter] = []
     saved: list[tuple[int, int, int]] = []
     memory: list[tuple[int, int]] = []
+    names: list[tuple[frozenset[str], frozenset[str]]] = []
     fwd_times: list[list[float]] = [[] for _ in blocks]
     bwd_times: list[list[float]] = [[] for _ in blocks]
     outputs: list[list[torch.Tensor]] = []
@@ -71,6 +72,7 @@ def measure_blocks(
                 counter = OpCounter()
                 saved.append(runner.counted_run(counter))
                 memory.append((runner.transient_bytes, runner.cast_bytes))
+                names.append(runner.saved_names)
             except Exception as error:
                 raise BlockFailed(i, error) from error
             counters.append(counter)
@@ -99,7 +101,7 @@ def measure_blocks(
         bwd_us = statistics.median(bwd_times[i])
         fwd, bwd = counters[i].counts["fwd"], counters[i].counts["bwd"]
         fixed = (min(fwd.kernels * launch_us, 0.9 * fwd_us), min(bwd.kernels * launch_us, 0.9 * bwd_us))
-        costs.append(BlockCost.of(counters[i], saved[i], (fwd_us, bwd_us), fixed, memory[i]))
+        costs.append(BlockCost.of(counters[i], saved[i], (fwd_us, bwd_us), fixed, memory[i], names[i]))
     return costs
 
 

@@ -38,6 +38,11 @@ _PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype]] = {
 }
 
 
+def known_precisions() -> frozenset[str]:
+    """The dtype and precision names :func:`parse_precision` takes."""
+    return frozenset(_PRECISIONS)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """ "float32" for torch.float32."""
     return str(dtype).removeprefix("torch.")

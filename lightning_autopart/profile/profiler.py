@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from lightning_autopart.devices import DeviceSpec, device_spec
+from lightning_autopart.devices import DeviceSpec, device_spec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.errors import ConfigError, ProfileError
 from lightning_autopart.graph import CapturedModel
 from lightning_autopart.profile.calibrate import calibrate_cpu
-from lightning_autopart.profile.estimate import estimate_block
+from lightning_autopart.profile.estimate import estimate_block, estimate_curve
 from lightning_autopart.profile.measure import BlockFailed, measure_blocks
 from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
@@ -98,6 +98,8 @@ def profile(
     repeats: int = 5,
     blocks: Sequence[int] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    twin: CapturedModel | None = None,
+    sizes: Sequence[int] = (),
 ) -> ModelProfile:
     """Profile every block (or the ``blocks`` subset) of a captured model, on copies; the model is untouched.
 
@@ -119,6 +121,10 @@ def profile(
         blocks: Block indices to profile. The result is partial: ``blocks`` holds only those records and
             ``meta["profiled_blocks"]`` their indices; :func:`merge_profiles` joins the parts of all ranks.
         progress: Called as ``progress(done, total, block_name)`` after each block.
+        twin: "estimate" only: the same model captured at another batch size. Every block then gets a cost
+            curve with a point at each of ``sizes`` (see :func:`estimate_curve`), and the profile's batch
+            size and per-block figures are those of the largest size.
+        sizes: The batch sizes of the curves (with ``twin``).
 
     Returns:
         The profile at ``captured.batch_size``. ``meta`` holds ``num_blocks``, ``profiled_blocks``,
@@ -134,6 +140,8 @@ def profile(
     """
     if mode not in _MODES:
         raise ConfigError(f"unknown profile mode {mode!r}; use 'measure' or 'estimate'")
+    if twin is not None and (mode != "estimate" or not sizes):
+        raise ConfigError("a twin capture gives cost curves in estimate mode only, and needs sizes")
     if warmup < 0 or repeats < 1:
         raise ConfigError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     factor = optimizer_state_factor(optimizer)
@@ -148,6 +156,8 @@ def profile(
         "input_dtypes": [t.dtype for t in captured.inputs],
         "compute_dtype": precision.compute_name,
         "torch": torch.__version__,
+        "tf32_matmuls": tf32_matmuls(),  # float32 products on TF32 tensor cores (estimates assume what torch does)
+        "tf32_convolutions": tf32_convolutions(),
     }
     rng_devices: list[torch.device] = []
     if mode == "measure":
@@ -164,7 +174,7 @@ def profile(
         on_meta = device is not None and str(device).startswith("meta")
         chosen = resolve_spec(spec, None if spec is not None or on_meta else _resolve_device(device))
         gpu = chosen.name != "cpu"
-        roofline = Roofline.of(chosen, precision.compute_name)
+        roofline = Roofline.of(chosen, precision.compute_name, waves=True)
         device_name = chosen.name
         meta.update(
             spec=chosen.name,
@@ -180,6 +190,7 @@ def profile(
     with torch.random.fork_rng(devices=rng_devices):
         torch.manual_seed(0)
         measured: dict[int, BlockCost] = {}
+        measured_names: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
         for done, index in enumerate(indices, start=1):
             block = captured.blocks[index]
             if mode == "measure" and index not in measured:
@@ -198,7 +209,11 @@ def profile(
                 cost = dataclasses.replace(cost, cast_bytes=_weight_casts(captured, index, precision.compute))
             own = memory[index]
             step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
-            records.append(_record(block.name, block.modules, own, cost, cut_bytes, step_us))
+            record = _record(block.name, block.modules, own, cost, cut_bytes, step_us)
+            if twin is not None:
+                record = _with_curve(record, captured, twin, index, precision, roofline, sizes)
+            records.append(record)
+            measured_names[index] = cost.saved_names
             per_block.append(
                 {
                     "index": index,
@@ -212,11 +227,14 @@ def profile(
             if progress is not None:
                 progress(done, len(indices), block.name)
     meta["per_block"] = per_block
+    records = _shared_saves(records, indices, captured, measured_names, precision)
+    if twin is not None:
+        meta["curve_sizes"] = sorted(set(sizes))
 
     return ModelProfile(
         model=type(captured.module).__name__,
         blocks=tuple(records),
-        batch_size=captured.batch_size,
+        batch_size=max(sizes) if twin is not None else captured.batch_size,
         input_bytes=sum(scaled_nbytes(t, precision.param) for t in captured.inputs),
         tied=tied,
         mode=mode,
@@ -314,6 +332,60 @@ def _record(
         transient_bytes=int(cost.transient_bytes),
         cast_bytes=int(cost.cast_bytes),
         optimizer_us=float(step_us),
+    )
+
+
+def _shared_saves(
+    records: list[BlockProfile],
+    indices: list[int],
+    captured: CapturedModel,
+    names: dict[int, tuple[frozenset[str], frozenset[str]]],
+    precision: Precision,
+) -> list[BlockProfile]:
+    """``records`` with ``saved_by_previous`` set where block k saves an input block k-1 saves as its output
+    (see [Note: saved twice] in records.py); 0 where block k-1 was not profiled here."""
+    out = []
+    for record, k in zip(records, indices, strict=True):
+        if k > 0 and k - 1 in names and k in names:
+            both = names[k][0] & names[k - 1][1]
+            cut = captured.cuts[k - 1]
+            total = sum(scaled_nbytes(t, precision.compute) for t in cut)
+            shared = sum(scaled_nbytes(t, precision.compute) for t in cut if t.name in both)
+            if total > 0 and shared > 0:
+                record = dataclasses.replace(record, saved_by_previous=min(1.0, shared / total))
+        out.append(record)
+    return out
+
+
+def _with_curve(
+    record: BlockProfile,
+    captured: CapturedModel,
+    twin: CapturedModel,
+    index: int,
+    precision: Precision,
+    roofline: Roofline,
+    sizes: Sequence[int],
+) -> BlockProfile:
+    """``record`` with the cost curve of its block from two captures, its figures those of the largest size."""
+    cuts = tuple(sum(scaled_nbytes(t, precision.compute) for t in m.cuts[index]) for m in (captured, twin))
+    curve = estimate_curve(
+        captured.blocks[index],
+        twin.blocks[index],
+        precision,
+        roofline,
+        sizes,
+        samples=(captured.batch_size, twin.batch_size),
+        cut_bytes=(cuts[0], cuts[1]),
+    )
+    top = curve[-1]
+    return dataclasses.replace(
+        record,
+        curve=tuple(curve),
+        fwd_us=top[1],
+        bwd_us=top[2],
+        activation_bytes=top[3],
+        transient_bytes=top[4],
+        cut_bytes=top[5],
     )
 
 

@@ -50,6 +50,8 @@ class BlockCost:
     transient_bytes: int = 0
     #: Autocast's weight copies, once per step.
     cast_bytes: int = 0
+    #: Names of the block's inputs and of its outputs that it saves for backward (see [Note: saved twice]).
+    saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
     @classmethod
     def of(
@@ -59,6 +61,7 @@ class BlockCost:
         times_us: tuple[float, float],
         fixed_us: tuple[float, float],
         memory: tuple[int, int] = (0, 0),
+        saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
     ) -> BlockCost:
         """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them), times, and
         ``memory``: the run's (transient, cast) bytes."""
@@ -77,6 +80,7 @@ class BlockCost:
             bwd_kernels=bwd.kernels,
             transient_bytes=memory[0],
             cast_bytes=memory[1],
+            saved_names=saved_names,
         )
 
 
@@ -97,6 +101,9 @@ class Runner:
         #: Backward's transient peak and autocast's weight copies, from the last :meth:`counted_run`.
         self.transient_bytes = 0
         self.cast_bytes = 0
+        #: Names of the block's inputs and outputs that the last :meth:`counted_run` saved for backward.
+        self.saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._names = (tuple(t.name for t in block.inputs), tuple(t.name for t in block.outputs))
 
     def release(self) -> None:
         """Free the copy, its arguments and gradient seeds now; the runner cannot run again.
@@ -138,8 +145,9 @@ class Runner:
         inputs = fresh_inputs(self.args)
         with counter, allocations:
             counter.phase = "fwd"
-            with meter.hooks():
-                outputs = self.forward(inputs)
+            with meter.hooks(), self.context():
+                raw = self.program(*inputs)
+            outputs = grad_outputs(raw)
             counter.phase = None
             self.grads = [torch.ones_like(t) for t in outputs]
             counter.phase = "bwd"
@@ -150,4 +158,13 @@ class Runner:
         self.cast_bytes = sum(allocations.casts.values())
         self.transient_bytes = max(0, allocations.peak - saved)
         casts_saved = meter.nbytes_of_keys(allocations.casts)
+        self.saved_names = (_saved(meter, self._names[0], inputs), _saved(meter, self._names[1], raw))
         return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), meter.nbytes_of(outputs)
+
+
+def _saved(meter: SavedTensorMeter, names: tuple[str, ...], values: Any) -> frozenset[str]:
+    """The ``names`` of the tensors among ``values`` (in their order) that ``meter`` saw saved."""
+    tensors = tree_leaves(values)
+    if len(tensors) != len(names):
+        return frozenset()
+    return frozenset(n for n, t in zip(names, tensors, strict=True) if meter.nbytes_of([t]) > 0)

@@ -1,0 +1,56 @@
+"""bench/fidelity.py end to end on the CPU: one tiny case trained, profiled in both modes, planned and tabulated."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import fidelity
+
+CASE = "net5000x24-b512-sgd-32"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tiny_case_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fidelity.json"
+    argv = ["--tiny", "--accelerator", "cpu", "--cases", CASE, "--steps", "3", "--warmup", "1"]
+    rows = fidelity.main([*argv, "--json", str(out)])
+    table = capsys.readouterr().out
+
+    assert [r["case"] for r in rows] == [CASE]
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(lines) == 2 and "estimate time ratio" in lines[0] and "measure peak ratio" in lines[0]
+    assert lines[1].startswith(f"| {CASE} |")
+    assert "worst case: estimate time" in table and "measure time" in table and "torch" in table
+    row = rows[0]
+    assert len(row["measured"]["steps_s"]) == 3 and row["measured"]["step_ms"] > 0
+    assert row["measured"]["peak_bytes"] is None  # not measured on the CPU
+    for mode in fidelity.MODES:
+        p = row[mode]
+        assert math.isfinite(p["time_ratio"]) and p["time_ratio"] > 0
+        assert p["step_ms"] > 0 and p["peak_bytes"] > 0 and p["fits"]
+        assert p["loss_error"] is None
+    assert row["estimate"]["on_meta"] and not row["measure"]["on_meta"]
+    saved = json.loads(out.read_text())
+    assert saved["rows"][0]["case"] == CASE and "header" in saved
+
+
+def test_worst_case_is_farthest_from_one() -> None:
+    def row(name: str, time: float, peak: float) -> dict[str, Any]:
+        pred = {"step_ms": time, "peak_bytes": int(peak * 1e9), "fits": True, "time_ratio": time,
+                "peak_ratio": peak}  # fmt: skip
+        return {"case": name, "measured": {"step_ms": 1.0, "peak_bytes": int(1e9)}, "estimate": pred,
+                "measure": pred}  # fmt: skip
+
+    unmeasured = row("c", 1.0, 1.0)
+    unmeasured["estimate"]["peak_ratio"] = math.nan  # (shared with "measure")
+    text = fidelity.table([row("a", 1.15, 0.5), row("b", 0.8, 1.05), unmeasured])
+    worst = text.split("worst case: ")[1]
+    assert "estimate time 0.80x (b; goal +-20%: NOT met)" in worst  # 1/0.8 = 1.25 beats 1.15
+    assert "estimate peak 0.50x (a;" in worst and "measure time 0.80x (b; goal +-10%: NOT met)" in worst
+    assert "| c | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | - | 1.00 | 1.00 | 1.00 | - |" in text
