@@ -247,3 +247,33 @@ def test_parse_shape() -> None:
     for bad in ("", "0,4", "a"):
         with pytest.raises(ConfigError, match="cannot parse --input-shape"):
             parse_shape(bad)
+
+
+def test_a_lightning_module_plans_from_its_first_batch_with_its_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI plans a LightningModule as the strategy does: its train_dataloader's first batch, the loss of its
+    training_step priced on the last stage; --precision sets the compute dtype."""
+    from examples.gpt import GPT
+    from lightning_autopart.cli import _training_step
+
+    with torch.device("meta"):
+        model = GPT(vocab_size=1000, seq_len=16, d_model=32, n_layers=2, n_heads=2, batch_size=4, num_samples=8)
+    found = _training_step(model, meta=True)
+    assert found is not None
+    root, (args, _kwargs), loss, samples = found
+    assert root is model and samples == 4 and args[0].shape == (4, 16) and args[0].device.type == "meta"
+    logits = torch.randn(4, 16, 1000, device="meta", requires_grad=True)
+    assert loss(logits, 4).device.type == "meta"
+    common = ["plan", "--model", "examples.gpt.GPT", "--model.init_args.vocab_size", "1000",
+              "--model.init_args.seq_len", "16", "--model.init_args.d_model", "32", "--model.init_args.n_layers", "2",
+              "--model.init_args.n_heads", "2", "--model.init_args.num_samples", "8", "--batch-size", "4",
+              "--micro-batches", "1", "--devices", "1"]  # fmt: skip
+    saved = []
+    for precision in ("32-true", "bf16-mixed"):
+        assert main([*common, "--precision", precision, "-o", str(tmp_path / f"{precision}.json")]) == 0
+        saved.append(Plan.load(tmp_path / f"{precision}.json").stages[0].activation_bytes)
+    assert saved[0] > 4 * 16 * 1000 * 4  # the cross entropy's log-softmax over the logits is priced
+    assert saved[1] < saved[0]  # bfloat16 activations
+    assert main([*common, "--precision", "int3"]) == 2
+    assert "unknown dtype 'int3'" in capsys.readouterr().err

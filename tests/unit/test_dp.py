@@ -140,6 +140,7 @@ def instances(
                 transient_bytes=draw(st.integers(0, 60000)),
                 optimizer_us=draw(st.floats(0.0, 500.0)),
                 cast_bytes=draw(st.integers(0, 300)),
+                saved_by_previous=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
                 curve=draw(_curves(b0)),
             )
         )
