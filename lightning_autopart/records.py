@@ -15,6 +15,7 @@ point it follows the last segment, and below the first (curves start at one samp
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 from lightning_autopart.errors import ConfigError
 
-__all__ = ["BlockCostAt", "BlockProfile", "CostPoint", "ModelProfile", "TiedParam", "cost_at", "optimizer_state_factor", "optimizer_transient_factor"]
+__all__ = ["BlockCostAt", "BlockProfile", "CostPoint", "ModelProfile", "TiedParam", "cost_at", "optimizer_state_factor", "optimizer_transient_factor", "with_curve"]
 
 #: One point of a cost curve: (samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes).
 CostPoint = tuple[int, float, float, int, int, int]
@@ -150,6 +151,20 @@ def cost_at(block: BlockProfile, samples: int, batch_size: int) -> BlockCostAt:
         return max(0.0, lo[i] + (hi[i] - lo[i]) * t)
 
     return BlockCostAt(at(1), at(2), int(-(-at(3) // 1)), int(-(-at(4) // 1)), int(-(-at(5) // 1)))
+
+def with_curve(block: BlockProfile, points: list[CostPoint] | tuple[CostPoint, ...]) -> BlockProfile:
+    """``block`` with the cost curve ``points`` (ascending sizes), its figures those of the largest size."""
+    top = points[-1]
+    return dataclasses.replace(
+        block,
+        curve=tuple(points),
+        fwd_us=top[1],
+        bwd_us=top[2],
+        activation_bytes=top[3],
+        transient_bytes=top[4],
+        cut_bytes=top[5],
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class TiedParam:

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_autopart.errors import ProfileError
 from lightning_autopart.profile.loss import LossCost
-from lightning_autopart.records import BlockProfile, CostPoint, ModelProfile
+from lightning_autopart.records import CostPoint, ModelProfile, with_curve
 
 __all__ = ["add_loss", "curve_sizes", "estimate_sizes", "join_curves", "resize_batch"]
 
@@ -73,7 +73,7 @@ def join_curves(profiles: Mapping[int, ModelProfile]) -> ModelProfile:
         for size in sizes:
             b = profiles[size].blocks[k]
             points.append((size, b.fwd_us, b.bwd_us, b.activation_bytes, b.transient_bytes, b.cut_bytes))
-        blocks.append(_with_points(block, points))
+        blocks.append(with_curve(block, points))
     return dataclasses.replace(base, blocks=tuple(blocks), meta={**base.meta, "curve_sizes": sizes})
 
 
@@ -103,7 +103,7 @@ def add_loss(profile: ModelProfile, losses: Mapping[int, LossCost]) -> ModelProf
                 cut,
             )
         )
-    block = _with_points(last, joined)
+    block = with_curve(last, joined)
     if not last.curve:
         block = dataclasses.replace(block, curve=())
     meta = {**profile.meta, "loss_priced": True}
@@ -136,18 +136,4 @@ def _loss_at(losses: Mapping[int, LossCost], n: int) -> LossCost:
         line(la.bwd_us, lb.bwd_us),
         round(line(la.saved_bytes, lb.saved_bytes)),
         round(line(la.transient_bytes, lb.transient_bytes)),
-    )
-
-
-def _with_points(block: BlockProfile, points: list[CostPoint]) -> BlockProfile:
-    """``block`` with the curve ``points``, its figures those of the largest size."""
-    top = points[-1]
-    return dataclasses.replace(
-        block,
-        curve=tuple(points),
-        fwd_us=top[1],
-        bwd_us=top[2],
-        activation_bytes=top[3],
-        transient_bytes=top[4],
-        cut_bytes=top[5],
     )

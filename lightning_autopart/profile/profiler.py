@@ -21,7 +21,7 @@ from lightning_autopart.profile.opcount import Roofline
 from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
 from lightning_autopart.profile.runner import BlockCost
 from lightning_autopart.profile.step import optimizer_step_us
-from lightning_autopart.records import BlockProfile, ModelProfile, optimizer_state_factor
+from lightning_autopart.records import BlockProfile, ModelProfile, optimizer_state_factor, with_curve
 
 __all__ = ["profile", "resolve_spec"]
 
@@ -377,16 +377,7 @@ def _with_curve(
         samples=(captured.batch_size, twin.batch_size),
         cut_bytes=(cuts[0], cuts[1]),
     )
-    top = curve[-1]
-    return dataclasses.replace(
-        record,
-        curve=tuple(curve),
-        fwd_us=top[1],
-        bwd_us=top[2],
-        activation_bytes=top[3],
-        transient_bytes=top[4],
-        cut_bytes=top[5],
-    )
+    return with_curve(record, curve)
 
 
 def _weight_casts(captured: CapturedModel, index: int, compute: torch.dtype) -> int:
