@@ -219,7 +219,7 @@ def measure_run(
 
 
 def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool) -> Any:
-    from lightning_autopart.lightning_hooks import batch_size_of, find_forward, step_loss
+    from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
     from lightning_autopart.planner import meta_inputs, profile_model
 
     torch.manual_seed(0)

@@ -34,7 +34,7 @@ from lightning_autopart.partition.heuristics import (
     torchgpipe_balance_by_time,
 )
 from lightning_autopart.profile import profile
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from lightning_autopart.partition.heuristics import (
     deepspeed_uniform,
     torchgpipe_balance_by_time,
 )
-from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 __all__ = ["transformer_profile"]
 

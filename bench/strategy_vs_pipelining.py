@@ -130,7 +130,7 @@ def _runner(warmup: int, steps: int, plan_path: str, sliced: bool) -> None:
     """autopart's runtime without Lightning: ``PipelineRunner`` on the saved plan, in the manual script's loop."""
     from lightning_autopart.capture import capture
     from lightning_autopart.plan import Plan
-    from lightning_autopart.runtime import PipelineRunner
+    from lightning_autopart.runtime.runner import PipelineRunner
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -78,7 +78,7 @@ def install(kind: str) -> None:
     if kind == "autopart":
         from lightning.pytorch.loops import training_epoch_loop
 
-        from lightning_autopart import steps
+        from lightning_autopart.lightning import steps
 
         _wrap(training_epoch_loop._TrainingEpochLoop, "_broadcast_sigterm_tensor", "sigterm")
         _wrap(steps.PipelinedSteps, "replay", "replay")

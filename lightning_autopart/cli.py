@@ -22,11 +22,11 @@ from torch import nn
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import device_spec
 from lightning_autopart.errors import AutopartError, ConfigError
-from lightning_autopart.lightning_hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan
+from lightning_autopart.plan.report import WIDTH, print_plan
 from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model, profile_model
 from lightning_autopart.profile.loss import LossFn
-from lightning_autopart.report import WIDTH, print_plan
 
 __all__ = ["build_parser", "main"]
 
@@ -259,7 +259,7 @@ def _show(cfg: Namespace, out: Console) -> None:
 
 
 def _draw(plan: Plan, path: Path, what: str) -> None:
-    from lightning_autopart.visualize import draw_memory, draw_timeline
+    from lightning_autopart.plan.visualize import draw_memory, draw_timeline
 
     path.parent.mkdir(parents=True, exist_ok=True)
     (draw_timeline if what == "timeline" else draw_memory)(plan, path)

@@ -13,10 +13,10 @@ from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec, device_spec_names
 from lightning_autopart.errors import CaptureError, ConfigError, ProfileError
 from lightning_autopart.plan import SCHEDULES, Plan
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 
 if TYPE_CHECKING:
-    from lightning_autopart.graph import CapturedModel
+    from lightning_autopart.capture.graph import CapturedModel
     from lightning_autopart.profile.loss import LossFn
 
 __all__ = ["check_settings", "example_inputs_of", "meta_inputs", "plan_model", "profile_model"]

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.outputs import report_dropped
 from lightning_autopart.capture.via_export import capture_export
 from lightning_autopart.capture.via_hooks import capture_modules, first_line
 from lightning_autopart.errors import CaptureError, ConfigError
-from lightning_autopart.graph import CapturedModel
 
 __all__ = ["METHODS", "capture", "split_inputs"]
 

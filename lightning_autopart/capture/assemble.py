@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_autopart.graph import Block, CapturedModel, OutputSpec, TensorInfo
+from lightning_autopart.capture.graph import Block, CapturedModel, OutputSpec, TensorInfo
 
 __all__: list[str] = []
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_autopart.graph import OutputSpec
+from lightning_autopart.capture.graph import OutputSpec
 
 __all__ = ["flat_forward", "flatten_output", "report_dropped"]
 

@@ -22,11 +22,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.outputs import flat_forward
 from lightning_autopart.capture.portable import ModeSwitch, home_device, make_portable
 from lightning_autopart.capture.tree import block_modules, param_weight
 from lightning_autopart.errors import CaptureError
-from lightning_autopart.graph import CapturedModel, OutputSpec
 
 __all__: list[str] = []
 

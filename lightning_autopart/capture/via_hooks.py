@@ -13,10 +13,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.outputs import flatten_output
 from lightning_autopart.capture.tree import ancestors, block_modules, collapse, param_weight
 from lightning_autopart.errors import CaptureError
-from lightning_autopart.graph import CapturedModel
 
 __all__: list[str] = []
 

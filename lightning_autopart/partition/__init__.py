@@ -22,7 +22,7 @@ from lightning_autopart.partition.cost import CostTables, evaluate
 from lightning_autopart.partition.search import Constraints, closest, divisors
 from lightning_autopart.partition.search import search as run_search
 from lightning_autopart.plan import SCHEDULES, Plan
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 
 __all__ = ["evaluate", "partition"]
 

@@ -9,7 +9,7 @@ from lightning_autopart.errors import PlanError
 from lightning_autopart.partition.cost import CostTables, Evaluation
 from lightning_autopart.partition.placement import stage_ranks
 from lightning_autopart.plan import Plan, Prediction, StagePlan
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 
 __all__ = ["build_plan", "infeasible_error", "memory_table"]
 

@@ -50,7 +50,7 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition.placement import LAYOUTS, link_pattern
 from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
 from lightning_autopart.plan import SCHEDULES
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 
 __all__ = [
     "CHUNKS",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 
 __all__ = ["deepspeed_parameters", "deepspeed_uniform", "min_max_split", "torchgpipe_balance_by_time"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.records import (
+from lightning_autopart.profile.records import (
     ModelProfile,
     cost_at,
     optimizer_state_factor,

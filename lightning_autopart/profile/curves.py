@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_autopart.errors import ProfileError
 from lightning_autopart.profile.loss import LossCost
-from lightning_autopart.records import CostPoint, ModelProfile, with_curve
+from lightning_autopart.profile.records import CostPoint, ModelProfile, with_curve
 
 __all__ = ["add_loss", "curve_sizes", "estimate_sizes", "join_curves", "resize_batch"]
 

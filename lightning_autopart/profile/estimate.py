@@ -9,13 +9,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_autopart.capture.graph import Block
 from lightning_autopart.devices import DeviceSpec
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import Block
 from lightning_autopart.profile.opcount import Gemm, OpCounter, OpRecord, Roofline
 from lightning_autopart.profile.precision import Precision
+from lightning_autopart.profile.records import CostPoint
 from lightning_autopart.profile.runner import BlockCost, Runner
-from lightning_autopart.records import CostPoint
 
 __all__: list[str] = []
 

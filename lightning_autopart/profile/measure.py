@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_autopart.graph import Block
+from lightning_autopart.capture.graph import Block
 from lightning_autopart.profile.opcount import OpCounter
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.runner import BlockCost, Runner

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_autopart.graph import CapturedModel
-from lightning_autopart.records import TiedParam
+from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.profile.records import TiedParam
 
 __all__: list[str] = []
 

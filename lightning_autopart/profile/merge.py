@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_autopart.errors import ProfileError
-from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 __all__ = ["merge_profiles", "profiled_blocks"]
 

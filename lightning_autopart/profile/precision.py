@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_autopart.capture.graph import TensorInfo
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import TensorInfo
 
 __all__: list[str] = []
 

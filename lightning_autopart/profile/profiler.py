@@ -10,18 +10,18 @@ from typing import Any
 
 import torch
 
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.devices import DeviceSpec, device_spec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.errors import ConfigError, ProfileError
-from lightning_autopart.graph import CapturedModel
 from lightning_autopart.profile.calibrate import calibrate_cpu
 from lightning_autopart.profile.estimate import estimate_block, estimate_curve
 from lightning_autopart.profile.measure import BlockFailed, measure_blocks
 from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
 from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, optimizer_state_factor, with_curve
 from lightning_autopart.profile.runner import BlockCost
 from lightning_autopart.profile.step import optimizer_step_us
-from lightning_autopart.records import BlockProfile, ModelProfile, optimizer_state_factor, with_curve
 
 __all__ = ["profile", "resolve_spec"]
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_autopart.graph import Block
+from lightning_autopart.capture.graph import Block
 from lightning_autopart.profile.opcount import OpCounter
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.sandbox import (

@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from lightning_autopart.graph import Block
+from lightning_autopart.capture.graph import Block
 
 __all__: list[str] = []
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_autopart.strategy import AutoPartitionStrategy
+from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from tests.distributed.strategy_cases import LOCAL_BATCH, STEPS, dataset, make_lit
 
 __all__: list[str] = []

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_autopart.lightning_hooks import LogRecord
-from lightning_autopart.log_channel import open_log_channel
+from lightning_autopart.lightning.hooks import LogRecord
+from lightning_autopart.lightning.log_channel import open_log_channel
 from tests.pipeline_plans import make_plan
 
 __all__ = ["steps"]

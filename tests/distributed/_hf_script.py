@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_autopart.strategy import AutoPartitionStrategy
-from lightning_autopart.topology import place
+from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from lightning_autopart.runtime.topology import place
 from tests.hf_cases import fit
 
 __all__: list[str] = []

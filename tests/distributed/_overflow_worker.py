@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_autopart.stage_grads import agree_on_overflow
+from lightning_autopart.runtime.gradients import agree_on_overflow
 
 __all__: list[str] = []
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.capture import capture
-from lightning_autopart.runtime import PipelineRunner
+from lightning_autopart.runtime.runner import PipelineRunner
 from tests.distributed.runtime_cases import batches, loss_fn, make_case_plan, micro_example
 from tests.models import make
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_autopart.runtime import PipelineRunner
-from lightning_autopart.strategy import AutoPartitionStrategy
+from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from lightning_autopart.runtime.runner import PipelineRunner
 from tests.census import StepProbe
 from tests.distributed.strategy_cases import STEPS, fit
 

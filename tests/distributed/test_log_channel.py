@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_autopart.lightning_hooks import LogRecord
-from lightning_autopart.log_channel import LogChannel
+from lightning_autopart.lightning.hooks import LogRecord
+from lightning_autopart.lightning.log_channel import LogChannel
 from tests.distributed._channel_worker import steps
 from tests.distributed.launch import run_job
 

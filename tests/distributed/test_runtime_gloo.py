@@ -124,7 +124,7 @@ def single_process_pg() -> None:
 def test_one_rank_step_eval_and_batch_check() -> None:
     from lightning_autopart.capture import capture
     from lightning_autopart.errors import ConfigError
-    from lightning_autopart.runtime import PipelineRunner
+    from lightning_autopart.runtime.runner import PipelineRunner
     from tests.distributed.runtime_cases import make_case_plan, micro_example
 
     model = make("residual")
@@ -146,7 +146,7 @@ def test_one_rank_step_eval_and_batch_check() -> None:
 def test_buckets_hold_grads_as_views_and_keep_autograd_semantics() -> None:
     from torch import nn
 
-    from lightning_autopart.buckets import make_buckets
+    from lightning_autopart.runtime.buckets import make_buckets
 
     torch.manual_seed(0)
     used, unused, half = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float64)

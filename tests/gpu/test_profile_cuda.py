@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_autopart.capture import capture
-from lightning_autopart.graph import CapturedModel
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.profile import profile
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 from tests.census import live_tensor_bytes
 from tests.models import GPT
 from tests.unit.test_profile import F32, chain, mlp

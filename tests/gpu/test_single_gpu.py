@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_autopart.runtime import move_in_place
+from lightning_autopart.runtime.runner import move_in_place
 from tests.gpu.harness import CASES, Case, Trained, assert_same_training, autopart, fit
 
 pytestmark = [

@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture import capture, split_inputs
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.tree import block_modules, collapse, param_weight
 from lightning_autopart.capture.via_export import runs
 from lightning_autopart.errors import CaptureError, ConfigError
-from lightning_autopart.graph import CapturedModel
 from tests.models import GPT, Net, example, make
 
 _GPT_LAYERS = [f"layers.{i}" for i in range(3)]

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture import capture, split_inputs
-from lightning_autopart.graph import CapturedModel
-from lightning_autopart.stages import build_stage_module
+from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.runtime.stages import build_stage_module
 from tests.idioms import KVCache, StructuredOut
 from tests.models import example, make
 

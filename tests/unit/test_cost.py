@@ -17,7 +17,7 @@ from lightning_autopart.partition.cost import (
     stage_cost,
 )
 from lightning_autopart.partition.placement import link_pattern, rank_of, stage_ranks
-from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 
 def _block(name: str, fwd: float, ffix: float, act: int, cut: int, params: int, buf: int = 0) -> BlockProfile:

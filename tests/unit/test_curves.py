@@ -13,7 +13,7 @@ from lightning_autopart.errors import ProfileError
 from lightning_autopart.planner import profile_model
 from lightning_autopart.profile.curves import add_loss, curve_sizes, estimate_sizes, join_curves, resize_batch
 from lightning_autopart.profile.loss import LossCost
-from lightning_autopart.records import BlockProfile, ModelProfile, cost_at
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, cost_at
 
 
 def _block(curve: tuple[tuple[int, float, float, int, int, int], ...] = ()) -> BlockProfile:

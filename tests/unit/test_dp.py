@@ -22,7 +22,7 @@ from lightning_autopart.partition.cost import (
 )
 from lightning_autopart.partition.dp import Relaxation, solve
 from lightning_autopart.partition.placement import LAYOUTS
-from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 

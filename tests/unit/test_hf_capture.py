@@ -23,9 +23,9 @@ pytest.importorskip("transformers")
 import transformers
 
 from lightning_autopart.capture import capture
-from lightning_autopart.graph import CapturedModel
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.profile import profile
-from lightning_autopart.stages import build_stage_module
+from lightning_autopart.runtime.stages import build_stage_module
 from tests.hf_cases import LAYERS, MODELS, build, config, dataset
 
 #: The ModelOutput class each model's forward returns.

@@ -18,7 +18,7 @@ from lightning_autopart.partition.heuristics import (
     torchgpipe_balance_by_time,
 )
 from lightning_autopart.plan import Plan
-from lightning_autopart.records import BlockProfile, ModelProfile, TiedParam
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 
 def _profile(

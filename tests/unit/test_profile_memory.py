@@ -18,10 +18,10 @@ import torch
 from torch import fx, nn
 
 from lightning_autopart.capture import capture
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.errors import ProfileError
-from lightning_autopart.graph import CapturedModel
 from lightning_autopart.profile import profile
-from lightning_autopart.records import ModelProfile
+from lightning_autopart.profile.records import ModelProfile
 from tests.census import live_tensor_bytes
 from tests.unit.test_profile import Wrap, chain
 

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
-from lightning_autopart.report import format_count, format_ms, format_plan, format_ranks, print_plan
-from lightning_autopart.visualize import (
+from lightning_autopart.plan.report import format_count, format_ms, format_plan, format_ranks, print_plan
+from lightning_autopart.plan.visualize import (
     ScheduleEvent,
     draw_memory,
     draw_timeline,

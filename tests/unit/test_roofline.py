@@ -14,9 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from examples.gpt import Block as GPTBlock
 from examples.resnet import Bottleneck
 from lightning_autopart.capture import capture
+from lightning_autopart.capture.graph import Block, CapturedModel
 from lightning_autopart.devices import device_spec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import Block, CapturedModel
 from lightning_autopart.profile import calibrate_cpu
 from lightning_autopart.profile.estimate import batch_sizes, estimate_block, estimate_curve
 from lightning_autopart.profile.opcount import (

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_autopart.capture import capture
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import CapturedModel
-from lightning_autopart.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
+from lightning_autopart.runtime.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
 from tests.models import example, make
 from tests.pipeline_plans import make_plan
 

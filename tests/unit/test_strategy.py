@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_autopart.errors import ConfigError, PlanMismatchError
-from lightning_autopart.lightning_hooks import (
+from lightning_autopart.lightning.first_batch import PlanSettings, _make_plan, choose_micro_batches
+from lightning_autopart.lightning.hooks import (
     LogRecord,
     capture_logs,
     find_forward,
@@ -21,9 +22,8 @@ from lightning_autopart.lightning_hooks import (
     replaced_forward,
     slice_batch,
 )
-from lightning_autopart.partitioning import PlanSettings, _make_plan, choose_micro_batches
-from lightning_autopart.runtime import move_in_place
-from lightning_autopart.strategy import AutoPartitionStrategy
+from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from lightning_autopart.runtime.runner import move_in_place
 from tests.distributed.strategy_cases import Lit, dataset, fit
 from tests.models import make
 
@@ -234,7 +234,7 @@ def test_trainer_accepts_the_registered_name() -> None:
 
 
 def test_spawning_from_an_interactive_session_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lightning_autopart.strategy._IS_INTERACTIVE", True)
+    monkeypatch.setattr("lightning_autopart.lightning.strategy._IS_INTERACTIVE", True)
     with pytest.raises(ConfigError, match="cannot start processes from an interactive session"):
         L.Trainer(accelerator="cpu", devices=2, strategy=AutoPartitionStrategy(), logger=False)
 
@@ -281,7 +281,7 @@ def test_default_settings_plan_from_the_first_batch() -> None:
 
 
 def test_optimizer_kind_sizes_the_state_the_user_configured() -> None:
-    from lightning_autopart.partitioning import optimizer_kind
+    from lightning_autopart.lightning.first_batch import optimizer_kind
 
     p = [torch.nn.Parameter(torch.zeros(2))]
     assert optimizer_kind([torch.optim.SGD(p, lr=0.1)]) == "sgd"

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_autopart import topology
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.topology import (
+from lightning_autopart.runtime import topology
+from lightning_autopart.runtime.topology import (
     build_groups,
     data_parallel_ranks,
     group_ranks,

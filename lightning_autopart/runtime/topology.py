@@ -127,7 +127,7 @@ def group_ranks(plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = ()) -> l
     """Every process group the runtime needs, in creation order: pipelines, then stages' replicas, then ties.
 
     Groups are sorted tuples of global ranks and appear once each. ``tied`` is
-    :func:`lightning_autopart.stages.tied_groups`'s output.
+    :func:`lightning_autopart.runtime.stages.tied_groups`'s output.
     """
     candidates = [pipeline_ranks(plan, r) for r in range(plan.replicas)]
     candidates += [data_parallel_ranks(plan, s.index) for s in plan.stages]

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning_hooks import (
+from lightning_autopart.lightning.hooks import (
     LogRecord,
     batch_range,
     batch_size_of,
@@ -30,8 +30,8 @@ from lightning_autopart.lightning_hooks import (
     sample_range,
     slice_batch,
 )
-from lightning_autopart.log_channel import LogChannel
-from lightning_autopart.runtime import PipelineRunner
+from lightning_autopart.lightning.log_channel import LogChannel
+from lightning_autopart.runtime.runner import PipelineRunner
 
 __all__ = ["PipelinedSteps"]
 

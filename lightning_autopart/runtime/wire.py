@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_autopart.graph import TensorInfo
+from lightning_autopart.capture.graph import TensorInfo
 
 __all__ = ["WireMeta", "WireStage", "decode", "encode", "infer_wire_metadata"]
 
@@ -86,7 +86,7 @@ class WireStage(nn.Module):
     the model's inputs), carriers out (but on the last stage, which returns the model's outputs).
 
     Args:
-        stage: The stage module (see ``lightning_autopart.stages``).
+        stage: The stage module (see ``lightning_autopart.runtime.stages``).
         inputs: The values the stage receives, as captured (dtype, gradient need); None on the first stage.
         outputs: The values the stage sends on; None on the last stage.
     """

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_autopart.lightning_hooks import LogRecord
+from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.plan import Plan
-from lightning_autopart.topology import pipeline_ranks
+from lightning_autopart.runtime.topology import pipeline_ranks
 
 __all__ = ["MAX_LAYOUTS", "LogChannel", "open_log_channel"]
 

@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import AutopartError, ConfigError, PlanError
-from lightning_autopart.graph import CapturedModel
-from lightning_autopart.lightning_hooks import ForwardCall, slice_batch
+from lightning_autopart.lightning.hooks import ForwardCall, slice_batch
 from lightning_autopart.plan import Plan, check_compatible, load_plan
 from lightning_autopart.profile.loss import LossFn
-from lightning_autopart.runtime import move_in_place
-from lightning_autopart.stages import tied_groups
-from lightning_autopart.topology import place
+from lightning_autopart.runtime.runner import move_in_place
+from lightning_autopart.runtime.stages import tied_groups
+from lightning_autopart.runtime.topology import place
 
 __all__ = [
     "PlanSettings",
@@ -117,7 +117,7 @@ def plan_for_batch(
             f"the plan uses {plan.world_size} ranks, this job has {world_size}; re-plan or drop load_plan"
         )
     if rank == 0:
-        from lightning_autopart.report import print_plan
+        from lightning_autopart.plan.report import print_plan
 
         print_plan(plan)
         if settings.save_plan:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
-from lightning_autopart.report import stages_by_rank
+from lightning_autopart.plan.report import stages_by_rank
 
 __all__ = ["ScheduleEvent", "draw_memory", "draw_timeline", "schedule_order", "simulate_schedule"]
 

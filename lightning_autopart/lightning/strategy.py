@@ -31,9 +31,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning_hooks import batch_size_of, find_forward, step_loss
-from lightning_autopart.log_channel import open_log_channel
-from lightning_autopart.partitioning import (
+from lightning_autopart.lightning.first_batch import (
     PlanSettings,
     capture_for_plan,
     gather_state_dict,
@@ -41,11 +39,13 @@ from lightning_autopart.partitioning import (
     optimizer_kind,
     plan_for_batch,
 )
+from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.log_channel import open_log_channel
+from lightning_autopart.lightning.steps import PipelinedSteps
 from lightning_autopart.plan import SCHEDULES, Plan
-from lightning_autopart.runtime import PipelineRunner
-from lightning_autopart.stage_grads import agree_on_overflow, clip_by_global_norm
-from lightning_autopart.steps import PipelinedSteps
-from lightning_autopart.topology import build_groups
+from lightning_autopart.runtime.gradients import agree_on_overflow, clip_by_global_norm
+from lightning_autopart.runtime.runner import PipelineRunner
+from lightning_autopart.runtime.topology import build_groups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from lightning_autopart.capture.graph import CapturedModel, TensorInfo
 from lightning_autopart.capture.portable import MODES_ATTRIBUTE, ModeSwitch
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import CapturedModel, TensorInfo
 from lightning_autopart.plan import Plan
 
 __all__ = ["build_stage_module", "stage_inputs", "stage_outputs", "tied_groups"]

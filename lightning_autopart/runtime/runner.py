@@ -24,7 +24,7 @@ accumulation window of k steps costs one all-reduce of the stage's gradients, no
 each optimizer step, as usual (``set_to_none`` or not: views are re-attached or kept).
 
 [Note: lazy schedules] A schedule is built at its first use, inside the caller's context (autocast for mixed
-precision), once :func:`~lightning_autopart.wire.infer_wire_metadata` has found the dtypes its stages send;
+precision), once :func:`~lightning_autopart.runtime.wire.infer_wire_metadata` has found the dtypes its stages send;
 every rank of a pipeline reaches its first training (and first evaluation) step together.
 """
 
@@ -44,14 +44,14 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from lightning_autopart.buckets import GradBucket, all_reduce_mean, make_buckets
+from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.graph import CapturedModel, OutputSpec
 from lightning_autopart.plan import Plan
-from lightning_autopart.stage_grads import keep_contiguous
-from lightning_autopart.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
-from lightning_autopart.topology import build_groups, place, tied_ranks
-from lightning_autopart.wire import WireStage, infer_wire_metadata, touch
+from lightning_autopart.runtime.buckets import GradBucket, all_reduce_mean, make_buckets
+from lightning_autopart.runtime.gradients import keep_contiguous
+from lightning_autopart.runtime.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
+from lightning_autopart.runtime.topology import build_groups, place, tied_ranks
+from lightning_autopart.runtime.wire import WireStage, infer_wire_metadata, touch
 
 __all__ = ["LossFn", "PipelineRunner", "move_in_place"]
 
@@ -74,7 +74,7 @@ class PipelineRunner:
 
     Keyword Args:
         tied: Tied parameters as (FQN, stage indices); derived from ``captured`` when None.
-        groups: Process groups from :func:`~lightning_autopart.topology.build_groups`; when None they are
+        groups: Process groups from :func:`~lightning_autopart.runtime.topology.build_groups`; when None they are
             created here, so every rank must then construct its runner at the same point.
     """
 
