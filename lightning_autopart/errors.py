@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "AutopartError",
     "CaptureError",
+    "CheckpointError",
     "ConfigError",
     "PlanError",
     "PlanFileError",
@@ -49,3 +50,7 @@ class PlanFileError(AutopartError):
 
 class PlanMismatchError(PlanFileError):
     """A valid plan file was made for another model, world size or batch; the message names the field."""
+
+
+class CheckpointError(AutopartError):
+    """A checkpoint cannot be written or read for this model: a missing entry, another model's shapes, ..."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from lightning_autopart.errors import AutopartError, ConfigError, PlanError
 from lightning_autopart.lightning.hooks import ForwardCall, slice_batch
 from lightning_autopart.plan import Plan, check_compatible, load_plan
 from lightning_autopart.profile.loss import LossFn
+from lightning_autopart.runtime.checkpoint import free_elsewhere
 from lightning_autopart.runtime.runner import move_in_place
 from lightning_autopart.runtime.stages import tied_groups
 from lightning_autopart.runtime.topology import place
@@ -25,8 +26,9 @@ from lightning_autopart.runtime.topology import place
 __all__ = [
     "PlanSettings",
     "capture_for_plan",
+    "check_even_batches",
     "choose_micro_batches",
-    "gather_state_dict",
+    "first_batch",
     "keep_local",
     "optimizer_kind",
     "plan_for_batch",
@@ -69,6 +71,63 @@ def optimizer_kind(optimizers: Iterable[Any]) -> str:
         name = name if name in kinds else "adam"
         worst = name if kinds[name] > kinds[worst] else worst
     return worst
+
+
+def first_batch(trainer: Any, hook: str) -> Any:
+    """The first batch of the loop running ``hook`` (its first loader's, when it has several)."""
+    loop = {
+        "training_step": "fit_loop",
+        "validation_step": "validate_loop",
+        "test_step": "test_loop",
+        "predict_step": "predict_loop",
+    }[hook]
+    loaders = getattr(trainer, loop)._data_source.dataloader()
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
+    elif isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    if loaders is None:
+        raise ConfigError(f"autopart plans from the first batch of the {hook} loop, but it has no dataloader")
+    try:
+        return next(iter(loaders))
+    except StopIteration:
+        raise ConfigError(
+            f"the dataloader of the {hook} loop yields no batch: autopart plans from the first batch; give it "
+            "data (check the dataset's length and batch_size with drop_last=True)"
+        ) from None
+
+
+def check_even_batches(trainer: Any, hook: str, replicas: int) -> None:
+    """Refuse, before any work, loaders whose last batch per replica would be smaller than the others: pipelined
+    shapes are fixed, and a ragged batch would fail only at the end of an epoch."""
+    val = trainer.fit_loop.epoch_loop.val_loop
+    sources = {
+        "training_step": [("train", trainer.fit_loop), ("val", val)],
+        "validation_step": [("val", trainer.validate_loop)],
+        "test_step": [("test", trainer.test_loop)],
+        "predict_step": [("predict", trainer.predict_loop)],
+    }[hook]
+    for name, loop in sources:
+        if not loop._data_source.is_defined():
+            continue
+        loaders = loop._data_source.dataloader()
+        if isinstance(loaders, Mapping):
+            loaders = list(loaders.values())
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            _check_even(name, loader, replicas)
+
+
+def _check_even(name: str, loader: Any, replicas: int) -> None:
+    batch, dataset = getattr(loader, "batch_size", None), getattr(loader, "dataset", None)
+    if not batch or getattr(loader, "drop_last", True) or not isinstance(dataset, Sized):
+        return
+    per_replica = -(-len(dataset) // replicas)  # Lightning's DistributedSampler pads to equal shards
+    if per_replica % batch:
+        raise ConfigError(
+            f"the {name} loader's last batch per replica holds {per_replica % batch} samples, not {batch} "
+            f"({len(dataset)} samples over {replicas} replica(s), batch_size={batch}); autopart's pipelined "
+            f"shapes are fixed: pass drop_last=True, or make the dataset length a multiple of {batch * replicas}"
+        )
 
 
 def choose_micro_batches(requested: int | None, local_batch: int) -> int | None:
@@ -132,8 +191,8 @@ def capture_for_plan(
     bakes the batch size into reshapes).
 
     Returns the capture, the tied parameters (FQN, stages), the ids of the tied parameters whose gradient another
-    rank counts in the global norm (a tie counts on its first stage), and the ids of every parameter some block
-    of the model uses.
+    rank counts in the global norm (a tie counts on its first stage), and the ids of every parameter and buffer
+    some block of the model uses.
     """
     from lightning_autopart.capture import capture
 
@@ -149,6 +208,7 @@ def capture_for_plan(
     mine = place(plan, rank).stages
     elsewhere = {id(captured.module.get_parameter(fqn)) for fqn, stages in tied if min(stages) not in mine}
     in_blocks = {id(root.get_parameter(fqn)) for block in captured.blocks for fqn in block.params}
+    in_blocks |= {id(root.get_buffer(fqn)) for block in captured.blocks for fqn in block.buffers}
     return captured, tied, elsewhere, in_blocks
 
 
@@ -160,12 +220,12 @@ def keep_local(
     optimizers: Iterable[Any],
     device: torch.device,
 ) -> list[nn.Parameter]:
-    """Keep only this rank's ``stages``: optimizers over their parameters, the others' weights freed, the rest
-    moved to ``device``; returns the local parameters.
+    """Keep only this rank's ``stages``: optimizers over their parameters, the others' tensors freed (left on
+    the ``meta`` device, shapes kept), the rest moved to ``device``; returns the local parameters.
 
-    ``in_blocks`` holds the ids of every parameter the pipelined module (``root_name``) uses; an optimized
-    parameter outside it would never get a gradient, so it is refused. Freed weights come back, gathered,
-    when a checkpoint is saved.
+    ``in_blocks`` holds the ids of every parameter and buffer the pipelined module (``root_name``) uses; an
+    optimized parameter outside it would never get a gradient, so it is refused. Checkpoints hold every rank's
+    tensors by name (see :mod:`lightning_autopart.lightning.checkpoints`).
     """
     optimizers = list(optimizers)
     optimized = {id(q) for o in optimizers for g in o.param_groups for q in g["params"]}
@@ -181,9 +241,8 @@ def keep_local(
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in local]
-    for p in module.parameters():
-        if id(p) in in_blocks and id(p) not in local:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    held = local | {id(b) for m in stages.values() for b in m.buffers()}
+    free_elsewhere(module, in_blocks - held)
     move_in_place(module, device)
     return params
 
@@ -284,18 +343,3 @@ def _spec(device: torch.device, profile: str) -> str:
 
         return resolve_spec(None, device).name
     return "cpu" if profile == "measure" else _ESTIMATE_SPEC
-
-
-def gather_state_dict(
-    state: dict[str, Any], modules: Iterable[nn.Module], prefix: str, rank: int, world_size: int
-) -> dict[str, Any]:
-    """``state`` with every rank's stage tensors (``prefix`` + their names) gathered onto rank 0.
-
-    Every rank must call it; ranks that are not the first replica of their stages pass no modules.
-    """
-    local = {prefix + k: v.detach().cpu() for m in modules for k, v in m.state_dict().items()}
-    parts: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    for part in parts or ():
-        state.update({k: v.to(state[k].device) if k in state else v for k, v in part.items()})
-    return state

@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.hooks import (
@@ -122,6 +123,18 @@ class PipelinedSteps:
         self.replay(hook, None, merge_logs(records))
         return merge_outputs(outputs) if self.runner.is_last else None
 
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """``predict_step`` through the forward-only pipeline; its merged outputs reach every rank of the
+        pipeline (sent once per batch: predicting is not a hot loop), on this rank's device."""
+        outputs = self.evaluate("predict_step", *args, **kwargs)
+        ranks = self.runner.placement.pp_ranks
+        if len(ranks) == 1:
+            return outputs
+        last = ranks[(self.runner.plan.num_stages - 1) % len(ranks)]
+        box = [tree_map(_to_cpu, outputs) if self.runner.is_last else None]
+        dist.broadcast_object_list(box, src=last, group=self.runner.pp_group)
+        return outputs if self.runner.is_last else tree_map(lambda t: _to_device(t, self.device), box[0])
+
     def check_batch(self, batch: Any) -> int:
         """The batch's size, which must be the plan's per-replica batch (pipelined shapes are fixed)."""
         size = batch_size_of(batch)
@@ -179,3 +192,11 @@ def merge_outputs(outputs: list[Any]) -> Any:
         else:
             merged.append(parts[-1])
     return tree_unflatten(merged, spec)
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, Tensor) else value

@@ -26,34 +26,40 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.lightning.checkpoints import CHECKPOINT_MODES, CheckpointHooks, StageCheckpoints
 from lightning_autopart.lightning.first_batch import (
     PlanSettings,
-    capture_for_plan,
-    gather_state_dict,
+    check_even_batches,
+    first_batch,
     keep_local,
     optimizer_kind,
-    plan_for_batch,
 )
-from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
-from lightning_autopart.lightning.log_channel import open_log_channel
+from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, split_module
 from lightning_autopart.lightning.steps import PipelinedSteps
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.runtime.gradients import agree_on_overflow, clip_by_global_norm
-from lightning_autopart.runtime.runner import PipelineRunner
-from lightning_autopart.runtime.topology import build_groups
+from lightning_autopart.runtime.runner import PipelineRunner, move_in_place
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["AutoPartitionStrategy"]
 
+#: The LightningModule step each loop runs (the partition of a fresh Trainer comes from it).
+_STEP_HOOKS = {
+    str(TrainerFn.FITTING): "training_step",
+    str(TrainerFn.VALIDATING): "validation_step",
+    str(TrainerFn.TESTING): "test_step",
+    str(TrainerFn.PREDICTING): "predict_step",
+}
 
-class AutoPartitionStrategy(ParallelStrategy):
+
+class AutoPartitionStrategy(CheckpointHooks, ParallelStrategy):
     """Trains an unchanged LightningModule as a pipeline x data-parallel job planned from its first batch.
 
     Every stage of one pipeline sees the same batch: the data loader's batch is one pipeline's share, so the
@@ -63,10 +69,13 @@ class AutoPartitionStrategy(ParallelStrategy):
     user's step then computes the loss per micro-batch on the last stage and its ``self.log`` calls are
     replayed on every rank.
 
+    ``validate``, ``test`` and ``predict`` run forward-only on the same plan, after ``fit`` or on a fresh
+    Trainer (which plans from that loop's first batch). Checkpoints hold every stage's model and optimizer
+    state by the original parameter names (see ``checkpoint``), and resume under any plan.
+
     Launch with ``python train.py`` (Lightning starts the other processes) or ``torchrun``; spawning from a
     notebook is refused. Only automatic optimization is supported; every batch must have the planned size
-    (``drop_last=True``), validation included; checkpoints hold the whole model (gathered on rank 0) but
-    resuming one is not supported yet.
+    (``drop_last=True``), validation included.
 
     Args:
         num_stages: Pipeline stages (None: the planner decides).
@@ -79,6 +88,8 @@ class AutoPartitionStrategy(ParallelStrategy):
         save_plan: Path where rank 0 writes the plan.
         process_group_backend: "gloo" or "nccl" (None: by device).
         timeout: Timeout of collectives; a failing rank makes the others exit after it.
+        checkpoint: "sharded" (every rank writes its stages into a ``torch.distributed.checkpoint`` directory;
+            ``autopart consolidate`` makes it one file) or "full" (rank 0 writes one file plain Lightning loads).
     """
 
     strategy_name = "autopart"
@@ -100,6 +111,7 @@ class AutoPartitionStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint: str = "sharded",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -112,6 +124,8 @@ class AutoPartitionStrategy(ParallelStrategy):
             raise ConfigError(f"unknown schedule {schedule!r}; use 'auto' or one of: {', '.join(SCHEDULES)}")
         if profile not in ("measure", "estimate"):
             raise ConfigError(f"unknown profile mode {profile!r}; use 'measure' or 'estimate'")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ConfigError(f"unknown checkpoint {checkpoint!r}; use one of: {', '.join(CHECKPOINT_MODES)}")
         for name, value in (("num_stages", num_stages), ("micro_batches", micro_batches)):
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
@@ -124,19 +138,26 @@ class AutoPartitionStrategy(ParallelStrategy):
         self.save_plan = save_plan
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.checkpoint = checkpoint
         self.num_nodes = 1
-        #: The plan every rank runs (set in ``setup`` when fitting).
-        self.plan: Plan | None = None
         self._hidden_example: Any = None
-        self._steps: PipelinedSteps | None = None
-        self._pp_group: dist.ProcessGroup | None = None
+        self._part: Partition | None = None
         self._params: list[nn.Parameter] = []
         self._stash: list[Tensor | None] = []
-        self._counted_elsewhere: set[int] = set()
+        self._checkpoints: StageCheckpoints | None = None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan every rank runs (set in ``setup``)."""
+        return self._part.plan if self._part is not None else None
+
+    @property
+    def _steps(self) -> PipelinedSteps | None:
+        return self._part.steps if self._part is not None else None
 
     @property
     def _runner(self) -> PipelineRunner | None:
-        return self._steps.runner if self._steps is not None else None
+        return self._part.steps.runner if self._part is not None else None
 
     @classmethod
     @override
@@ -220,32 +241,64 @@ class AutoPartitionStrategy(ParallelStrategy):
             )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if trainer.state.fn != TrainerFn.FITTING:
-            self.model_to_device()
-            self.setup_precision_plugin()
-            return
-        self.setup_optimizers(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        lm = self._lm
+        self._checkpoints = StageCheckpoints(self.checkpoint, self.global_rank, self.world_size)
+        self._checkpoints.record(lm, self.optimizers)
         # Plan and split where the model was built (the CPU, usually): only this rank's stage reaches the device.
-        self._partition(trainer)
+        self._part = self._adopt(getattr(lm, PARTITION_ATTRIBUTE, None)) or self._partition(trainer)
+        check_even_batches(trainer, _STEP_HOOKS.get(str(trainer.state.fn), "training_step"), self._part.plan.replicas)
+        lm.__dict__[PARTITION_ATTRIBUTE] = self._part
+        # Lightning's ModelSummary runs the whole model on example_input_array at on_fit_start, which this rank
+        # can no longer do: hide the example until training starts (restored in on_train_start and teardown).
+        if lm.example_input_array is not None:
+            self._hidden_example = lm.example_input_array
+            lm.example_input_array = None
+        runner = self._part.steps.runner
+        self._checkpoints.writes_model = runner.placement.replica == 0
+        self._params = keep_local(
+            lm, self._part.steps.root_name, runner.modules, self._part.in_blocks, self.optimizers, self.root_device
+        )
         self.model_to_device()
-        _optimizers_to_device(self.optimizers, self.root_device)
-        # Clipping by norm needs the norm over the whole model, not over this rank's stage.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            # Clipping by norm needs the norm over the whole model, not over this rank's stage.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            self._part.steps.scale = self._loss_scale()
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        move_in_place(self.model, self.root_device)  # other stages' tensors stay on the meta device
 
-    def _partition(self, trainer: pl.Trainer) -> None:
-        """Plan from the first training batch, build this rank's stage and keep the optimizers to its parameters."""
+    def _adopt(self, part: Partition | None) -> Partition | None:
+        """The module's existing partition (an earlier fit, validate... on it), if this job can run it."""
+        if part is None:
+            return None
+        if part.world_size != self.world_size or part.steps.device != self.root_device:
+            raise ConfigError(
+                f"this model was split for {part.world_size} ranks on {part.steps.device} by an earlier run; "
+                f"this Trainer has {self.world_size} ranks on {self.root_device}: load it from a checkpoint "
+                "into a fresh model, or use the same devices"
+            )
+        if self.load_plan or self.num_stages not in (None, part.plan.num_stages):
+            rank_zero_info("autopart: the model is already split by an earlier run; reusing its plan")
+        return part
+
+    def _partition(self, trainer: pl.Trainer) -> Partition:
+        """Plan from the running loop's first batch and build this rank's stages."""
         lm = self._lm
+        if any(t.device.type == "meta" for t in (*lm.parameters(), *lm.buffers())):
+            raise ConfigError(
+                "the model has tensors on the meta device; autopart cannot plan or train it yet: "
+                "build it on the CPU (or load its weights) before calling the Trainer"
+            )
+        hook = _STEP_HOOKS.get(str(trainer.state.fn), "training_step")
         home = next((p.device for p in lm.parameters()), torch.device("cpu"))
-        batch = self.batch_to_device(next(iter(trainer.fit_loop._data_source.dataloader())), device=home)
-        call = find_forward(lm, lambda: lm.training_step(batch, 0))
-        root = lm.get_submodule(call.name) if call.name else lm
-        size = batch_size_of(batch)
+        batch = self.precision_plugin.convert_input(self.batch_to_device(first_batch(trainer, hook), device=home))
         settings = PlanSettings(
             self.num_stages,
             self.micro_batches,
@@ -257,31 +310,18 @@ class AutoPartitionStrategy(ParallelStrategy):
             optimizer=optimizer_kind(self.optimizers),
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
         )
-        plan = plan_for_batch(
-            settings,
-            root,
-            call,
-            size,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            num_nodes=self.num_nodes,
-            device=self.root_device,
-            loss=step_loss(lm, call.name, batch, size),
-        )
-        self.plan = plan
-        captured, tied, counted_elsewhere, in_blocks = capture_for_plan(plan, root, call, size, self.global_rank)
-        self._counted_elsewhere = counted_elsewhere
-        groups = build_groups(plan, tied, self.root_device.type)
-        runner = PipelineRunner(plan, captured, self.global_rank, self.root_device, tied=tied, groups=groups)
-        self._params = keep_local(lm, call.name, runner.modules, in_blocks, self.optimizers, self.root_device)
-        channel = open_log_channel(plan, self.global_rank, self.root_device)
-        self._steps = PipelinedSteps(lm, call.name, runner, channel, self.root_device, captured.constant_inputs)
-        self._steps.scale = self._loss_scale()
-        self._pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
-        # Lightning's ModelSummary runs the whole model on example_input_array at on_fit_start, which this rank
-        # can no longer do: hide the example until training starts (restored in on_train_start and teardown).
-        self._hidden_example = lm.example_input_array
-        lm.example_input_array = None
+        with self.precision_plugin.forward_context():  # capture sees what the model will see (bf16-true...)
+            return split_module(
+                lm,
+                batch,
+                hook,
+                settings,
+                fitting=trainer.state.fn == TrainerFn.FITTING,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+                device=self.root_device,
+            )
 
     def _restore_example(self) -> None:
         if self._hidden_example is not None and self.lightning_module is not None:
@@ -337,12 +377,19 @@ class AutoPartitionStrategy(ParallelStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", *args, **kwargs)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward-only pipeline; every rank of the pipeline returns the predictions of its replica's batch."""
+        assert self._steps is not None, "predict_step before setup"
+        with self.precision_plugin.predict_step_context():
+            return self._steps.predict(*args, **kwargs)
+
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        if self._steps is None:
-            raise ConfigError(
-                f"AutoPartitionStrategy runs {hook} only during fit, after the model is partitioned"
-            )
-        with self.precision_plugin.val_step_context():
+        assert self._steps is not None, f"{hook} before setup"
+        context = self.precision_plugin.val_step_context if hook == "validation_step" else (
+            self.precision_plugin.test_step_context
+        )
+        with context():
             return self._steps.evaluate(hook, *args, **kwargs)
 
     @override
@@ -360,19 +407,9 @@ class AutoPartitionStrategy(ParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """``clip_grad_norm_`` with the norm over every stage of the pipeline (tied parameters counted once)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        many = self._runner is not None and len(self._runner.placement.pp_ranks) > 1
-        clip_by_global_norm(params, clip_val, self._counted_elsewhere, self._pp_group if many else None)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state on rank 0: each stage's tensors gathered from the first replica."""
-        state = self._lm.state_dict()
-        if self._runner is None or not _distributed_is_initialized() or self.world_size == 1:
-            return state
-        assert self._steps is not None
-        prefix = f"{self._steps.root_name}." if self._steps.root_name else ""
-        modules = self._runner.modules.values() if self._runner.placement.replica == 0 else ()
-        return gather_state_dict(state, modules, prefix, self.global_rank, self.world_size)
+        assert self._part is not None
+        many = len(self._part.steps.runner.placement.pp_ranks) > 1
+        clip_by_global_norm(params, clip_val, self._part.counted_elsewhere, self._part.pp_group if many else None)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -399,9 +436,17 @@ class AutoPartitionStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Lightning's teardown, moving only this rank's tensors to the CPU; the split stays on the module, so
+        a later loop runs on it."""
         self._restore_example()
         if self._steps is not None:
             self._steps.channel.wait()
-        self._steps = None
         self._stash = []
-        super().teardown()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            move_in_place(self.lightning_module, torch.device("cpu"))
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()

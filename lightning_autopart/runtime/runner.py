@@ -130,6 +130,11 @@ class PipelineRunner:
         self._schedules: dict[str, Any] = {}
 
     @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The process group of this rank's pipeline."""
+        return self._pp_group
+
+    @property
     def is_first(self) -> bool:
         """Whether this rank holds the first stage (``step`` needs its inputs)."""
         return self.placement.is_first
@@ -360,10 +365,10 @@ def move_in_place(module: nn.Module, device: torch.device) -> None:
     tensors) from the user's model; setting ``.data`` keeps them one tensor.
     """
     for p in module.parameters():
-        if p.device != device:
+        if p.device != device and p.device.type != "meta":  # meta: another rank's stage holds it
             p.data = p.data.to(device)
             if p.grad is not None:
                 p.grad = p.grad.to(device)
     for b in module.buffers():
-        if b.device != device:
+        if b.device != device and b.device.type != "meta":
             b.data = b.data.to(device)

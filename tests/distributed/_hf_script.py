@@ -48,7 +48,7 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
     model, losses, metrics = fit(case, strategy, devices, devices // case["stages"])
     local = {id(p) for p in strategy._params}
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
-    held = {n: p.numel() for n, p in model.named_parameters() if id(p) not in local}
+    held = {n: p.device.type for n, p in model.named_parameters() if id(p) not in local}  # meta: freed
     assert strategy.plan is not None
     placement = place(strategy.plan, dist.get_rank())
     return {

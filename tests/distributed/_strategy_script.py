@@ -48,7 +48,8 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         PipelineRunner.step = step  # type: ignore[method-assign]
     local = {id(p) for p in strategy._params}
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
-    held = {n: p.numel() for n, p in model.named_parameters() if id(p) not in local}
+    # Another stage's parameter stays on the meta device here: shape kept, no memory.
+    held = {n: p.device.type for n, p in model.named_parameters() if id(p) not in local}
     return {
         "params": params,
         "losses": losses,

@@ -176,7 +176,7 @@ def test_hf_pipeline_equals_single_process(worlds: dict[int, WorldRun], index: i
     seen: set[str] = set()
     for rank, got in by_rank.items():
         # A rank keeps only its own stage's weights: every other parameter was freed.
-        assert all(n == 0 for n in got["held_elsewhere"].values()), f"rank {rank}: {got['held_elsewhere']}"
+        assert all(d == "meta" for d in got["held_elsewhere"].values()), f"rank {rank}: {got['held_elsewhere']}"
         assert set(got["params"]) | set(got["held_elsewhere"]) == set(expected)
         if case.get("validate"):  # val_loss is logged with sync_dist=True: the mean over the whole set
             assert got["metrics"]["val_loss"] == pytest.approx(expected_metrics["val_loss"], rel=1e-5), (

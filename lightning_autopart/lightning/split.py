@@ -1,0 +1,83 @@
+"""This rank's split of a LightningModule: plan from one batch, capture at the micro-batch size, build the runner.
+
+The split stays on the module (:data:`PARTITION_ATTRIBUTE`), so every later loop on it runs on the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
+from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.log_channel import open_log_channel
+from lightning_autopart.lightning.steps import PipelinedSteps
+from lightning_autopart.plan import Plan
+from lightning_autopart.runtime.runner import PipelineRunner
+from lightning_autopart.runtime.topology import build_groups
+
+__all__ = ["PARTITION_ATTRIBUTE", "Partition", "split_module"]
+
+#: The attribute of a LightningModule holding its :class:`Partition` once a strategy split it.
+PARTITION_ATTRIBUTE = "_autopart_partition"
+
+
+@dataclass
+class Partition:
+    """A module split by a plan on this rank: the plan, the step glue over its runner and what the strategy needs
+    for clipping and optimizers. It stays on the module (``PARTITION_ATTRIBUTE``), so a later ``validate``,
+    ``test``, ``predict`` or ``fit``, by this Trainer or another, runs on the same split without re-planning."""
+
+    plan: Plan
+    steps: PipelinedSteps
+    #: Ids of every parameter and buffer the pipelined module's blocks use.
+    in_blocks: set[int]
+    #: Ids of tied parameters whose gradient another rank counts in the global norm.
+    counted_elsewhere: set[int]
+    pp_group: Any
+    world_size: int
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None  # process groups and schedules do not copy; a copied module re-plans
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(None), ())
+
+
+def split_module(
+    module: Any,
+    batch: Any,
+    hook: str,
+    settings: PlanSettings,
+    *,
+    fitting: bool,
+    rank: int,
+    world_size: int,
+    num_nodes: int,
+    device: torch.device,
+) -> Partition:
+    """Plan ``module`` (a LightningModule) for ``batch`` of the loop running ``hook``, then build this rank's
+    stages; the model the step calls first is pipelined, and only fitting prices the step's loss."""
+    call = find_forward(module, lambda: getattr(module, hook)(batch, 0))
+    root = module.get_submodule(call.name) if call.name else module
+    size = batch_size_of(batch)
+    plan = plan_for_batch(
+        settings,
+        root,
+        call,
+        size,
+        rank=rank,
+        world_size=world_size,
+        num_nodes=num_nodes,
+        device=device,
+        loss=step_loss(module, call.name, batch, size) if fitting else None,
+    )
+    captured, tied, elsewhere, in_blocks = capture_for_plan(plan, root, call, size, rank)
+    groups = build_groups(plan, tied, device.type)
+    runner = PipelineRunner(plan, captured, rank, device, tied=tied, groups=groups)
+    channel = open_log_channel(plan, rank, device)
+    steps = PipelinedSteps(module, call.name, runner, channel, device, captured.constant_inputs)
+    pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
+    return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size)
