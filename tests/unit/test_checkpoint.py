@@ -76,7 +76,7 @@ def test_optimizer_state_of_another_model_is_refused() -> None:
     model = _model()
     whole = _trained(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    with pytest.raises(CheckpointError, match="group 0 .* 2 parameters, this model's has 1"):
+    with pytest.raises(CheckpointError, match=r"group 0 .* 2 parameters, this model's has 1"):
         load_optimizer_by_name(whole, whole.state_dict(), names, [["0.weight"], ["2.weight", "2.bias"]])
 
 
@@ -113,5 +113,5 @@ def test_ragged_last_batches_are_refused_before_training() -> None:
     with pytest.raises(ConfigError, match="train loader's last batch per replica holds 2 samples, not 4"):
         check_even_batches(_trainer(DataLoader(data, batch_size=4)), "training_step", 2)
     val = [DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)]
-    with pytest.raises(ConfigError, match="val loader.*drop_last=True"):
+    with pytest.raises(ConfigError, match=r"val loader.*drop_last=True"):
         check_even_batches(_trainer(DataLoader(data, batch_size=5), val), "training_step", 1)
