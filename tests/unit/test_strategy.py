@@ -106,8 +106,10 @@ def test_more_stages_than_blocks() -> None:
 def test_ragged_batch_is_refused_clearly() -> None:
     loader = DataLoader(dataset("mlp", 10), batch_size=4)  # the last batch has 2 samples
     trainer = _trainer(AutoPartitionStrategy(num_stages=1, profile="estimate"), max_steps=5)
-    with pytest.raises(ConfigError, match=r"a batch of 2 samples .* use drop_last=True"):
+    # Refused in setup, before any training step, with the numbers and the fix.
+    with pytest.raises(ConfigError, match=r"train loader's last batch per replica holds 2 samples, not 4 .*drop_last=True"):
         trainer.fit(Lit("mlp"), loader)
+    assert trainer.global_step == 0
 
 
 def test_micro_batches_that_do_not_divide_the_batch() -> None:
