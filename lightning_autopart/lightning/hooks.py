@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -13,6 +13,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.lightning.metrics import (
+    StateSpec,
+    check_logged,
+    finish_notes,
+    is_metric,
+    metric_attribute,
+    step_value,
+    tracked_metrics,
+)
 
 __all__ = [
     "ForwardCall",
@@ -139,46 +148,69 @@ def replaced_forward(module: nn.Module, output: Any) -> Iterator[None]:
 
 @dataclass
 class LogRecord:
-    """One ``self.log`` call: name, value (a number, or a detached tensor where it was computed) and options."""
+    """One ``self.log`` call: name, value (a number, or a detached tensor where it was computed) and options.
+
+    ``metric`` is the FQN of a logged torchmetrics Metric (``value``: the metric while the step runs, then its
+    step value or None), or, with ``states`` set, of a metric the step updated: a note, not logged (see
+    [Note: metrics]).
+    """
 
     name: str
     value: Any
     kwargs: dict[str, Any]
+    metric: str | None = None
+    states: tuple[StateSpec, ...] | None = None
 
 
 @contextmanager
 def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
-    """Record ``module.log(...)`` calls into ``records`` instead of logging them."""
+    """Record ``module.log(...)`` calls into ``records`` instead of logging them, and note the updates of the
+    module's torchmetrics metrics there (see [Note: metrics])."""
     names = _LOG_ARGUMENTS
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         kwargs.update(zip(names, args, strict=False))
+        fqn = None
         if isinstance(value, torch.Tensor):
             value = value.detach()  # stays on its device: reading it would wait for the device
             if value.untyped_storage().nbytes() > value.nbytes:
                 value = value.clone()  # a view (a loss can be one) would keep its whole buffer alive
+        elif is_metric(value):
+            fqn = metric_attribute(module, value, kwargs.get("metric_attribute"))
+            check_logged(value, fqn)
         elif not isinstance(value, (int, float)):
             raise ConfigError(
                 f"self.log({name!r}, <{type(value).__name__}>): autopart replays logged values on every stage, "
-                "so log tensors or numbers (call .compute() on a metric and log the result)"
+                "so log tensors or numbers (or torchmetrics Metric objects)"
             )
-        records.append(LogRecord(name, value, kwargs))
+        records.append(LogRecord(name, value, kwargs, fqn))
 
-    with _patched_log(module, log):
+    def note(fqn: str, metric: Any) -> None:
+        records.append(LogRecord(fqn, metric, {}, fqn, ()))
+
+    with _patched_log(module, log), tracked_metrics(module, note):
         yield
 
 
 def merge_logs(records: list[LogRecord]) -> list[LogRecord]:
-    """One record per name: the mean of its micro-batch values (equal micro-batches), last call's options.
+    """One record per name: the mean of its micro-batch values (equal micro-batches), last call's options; a
+    logged metric's value is its step value, and each updated metric is noted once, after them.
 
     Tensors are averaged on their device; nothing is read back to the host.
     """
     merged: dict[str, list[LogRecord]] = {}
+    notes = []
     for r in records:
-        merged.setdefault(r.name, []).append(r)
+        if r.states is not None:
+            notes.append(r)
+        else:
+            merged.setdefault(r.name, []).append(r)
     out = []
     for name, recs in merged.items():
         last = recs[-1].value
+        if recs[-1].metric is not None:
+            out.append(replace(recs[-1], value=step_value(last) if is_metric(last) else last))
+            continue
         if len(recs) == 1:
             out.append(recs[0])
             continue
@@ -189,7 +221,7 @@ def merge_logs(records: list[LogRecord]) -> list[LogRecord]:
         else:
             value = sum(float(r.value) for r in recs) / len(recs)
         out.append(LogRecord(name, value, recs[-1].kwargs))
-    return out
+    return out + finish_notes(notes)
 
 
 def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, logger: Any = None,
@@ -220,7 +252,9 @@ def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> Calla
             out = module.training_step(part, 0)
         value = out.get("loss") if isinstance(out, dict) else out
         if not isinstance(value, torch.Tensor):
-            raise ConfigError("training_step must return the loss (a tensor, or a dict with 'loss') under autopart")
+            raise ConfigError(
+                "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
+            )
         return value
 
     return loss
@@ -228,24 +262,25 @@ def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> Calla
 
 @contextmanager
 def _metrics_kept(module: nn.Module) -> Iterator[None]:
-    """Restore the state of every torchmetrics ``Metric`` of ``module`` on exit (updates made meanwhile vanish)."""
+    """Restore every torchmetrics ``Metric`` of ``module`` on exit: its states and its other attributes, which a
+    ``forward`` that raised halfway (on the planner's meta tensors) leaves changed (``_to_sync=False`` would stop
+    this rank's ``compute()`` from joining the others')."""
     import copy
-    import sys
 
-    torchmetrics = sys.modules.get("torchmetrics")
-    metric_type = getattr(torchmetrics, "Metric", None)
-    metrics = [m for m in module.modules() if metric_type is not None and isinstance(m, metric_type)]
-    names = ("_update_count", "_computed", "_forward_cache")
-    saved = [
-        {k: copy.deepcopy(getattr(m, k)) for k in (*getattr(m, "_defaults", {}), *names) if hasattr(m, k)}
-        for m in metrics
-    ]
+    metrics: list[Any] = [m for m in module.modules() if is_metric(m)]
+    saved = []
+    for m in metrics:
+        table = dict(m.__dict__)
+        for k in (*m._defaults, "_computed", "_forward_cache", "_cache"):
+            if k in table:
+                table[k] = copy.deepcopy(table[k])
+        saved.append(table)
     try:
         yield
     finally:
-        for m, state in zip(metrics, saved, strict=True):
-            for k, v in state.items():
-                setattr(m, k, v)
+        for m, table in zip(metrics, saved, strict=True):
+            m.__dict__.clear()
+            m.__dict__.update(table)
 
 
 @contextmanager

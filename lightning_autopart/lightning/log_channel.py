@@ -11,19 +11,22 @@ broadcasts *asynchronously* and goes on with its optimizer step (it waits for th
 next one), and receivers post their receive before their own schedule runs and find the message there when it
 ends. The message names its layout by index; a layout never seen (the first step, a new ``self.log`` name) is
 flagged and a pickled broadcast of the records (tensors copied to the CPU) follows, once. A step kind that
-keeps making new layouts (names that change every step) starts its list over past ``MAX_LAYOUTS``.
+keeps making new layouts (names that change every step) starts its list over past ``MAX_LAYOUTS``. A logged
+torchmetrics Metric travels as its step value and its FQN (in the layout), and the notes of updated metrics
+travel in the layout alone; each member then logs its own copy of the metric (see [Note: metrics]).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_autopart.lightning.hooks import LogRecord
+from lightning_autopart.lightning.metrics import StateSpec, resolve_metrics
 from lightning_autopart.plan import Plan
 from lightning_autopart.runtime.topology import pipeline_ranks
 
@@ -38,10 +41,12 @@ class _Slot:
     """Where one record's value sits in the packed messages, and how to rebuild it."""
 
     name: str
-    kind: str  # "tensor" (device part), "int" or "float" (host part)
+    kind: str  # "tensor" (device part), "int" or "float" (host part), "none" or "note" (in the layout alone)
     dtype: torch.dtype | None
     shape: tuple[int, ...]
     kwargs: tuple[tuple[str, Any], ...]
+    metric: str | None = None
+    states: tuple[StateSpec, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -52,17 +57,28 @@ def _slots(records: list[LogRecord]) -> list[_Slot]:
     out = []
     for r in records:
         kwargs = tuple(sorted(r.kwargs.items()))
-        if isinstance(r.value, torch.Tensor):
-            out.append(_Slot(r.name, "tensor", r.value.dtype, tuple(r.value.shape), kwargs))
+        dtype: torch.dtype | None = None
+        shape: tuple[int, ...] = ()
+        if r.states is not None:
+            kind = "note"
+        elif isinstance(r.value, torch.Tensor):
+            kind, dtype, shape = "tensor", r.value.dtype, tuple(r.value.shape)
+        elif r.value is None:
+            kind = "none"  # a metric without a step value
         else:
-            out.append(_Slot(r.name, "int" if isinstance(r.value, int) else "float", None, (), kwargs))
+            kind = "int" if isinstance(r.value, int) else "float"
+        out.append(_Slot(r.name, kind, dtype, shape, kwargs, r.metric, r.states))
     return out
+
+
+#: Slot kinds sent in the host part.
+_NUMBERS = ("int", "float")
 
 
 def _widths(layouts: list[list[_Slot]]) -> tuple[int, int]:
     """Sizes of the host part (layout index, numbers) and of the device part (loss, tensors) of a message that
     fits every one of ``layouts``."""
-    host = max((sum(1 for s in layout if s.kind != "tensor") for layout in layouts), default=0)
+    host = max((sum(1 for s in layout if s.kind in _NUMBERS) for layout in layouts), default=0)
     values = max((sum(s.numel for s in layout if s.kind == "tensor") for layout in layouts), default=0)
     return 1 + host, 1 + values
 
@@ -120,15 +136,30 @@ class LogChannel:
         self._posted = (kind, self._broadcast(whole, values), host, values)
 
     def share(
+        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord], module: Any = None
+    ) -> tuple[torch.Tensor, list[LogRecord]]:
+        """The sender's ``(loss, records)`` on every member (``kind`` names the step, e.g. "training_step").
+
+        With ``module`` (the LightningModule), a logged metric's record comes back holding the member's own copy
+        of the metric, and notes of updated metrics are applied to the copies (see [Note: metrics]); without
+        it, notes are dropped.
+        """
+        value, logs = self._share(kind, loss, records)
+        if module is None:
+            return value, logs if all(r.states is None for r in logs) else [r for r in logs if r.states is None]
+        return value, resolve_metrics(module, logs, updated_here=self.is_src)
+
+    def _share(
         self, kind: str, loss: torch.Tensor | None, records: list[LogRecord]
     ) -> tuple[torch.Tensor, list[LogRecord]]:
-        """The sender's ``(loss, records)`` on every member (``kind`` names the step, e.g. "training_step")."""
         if self.group is None:
             return (torch.tensor(math.nan, device=self.device) if loss is None else loss), records
         if self.is_src:
             return self._send(kind, loss, records)
         self.expect(kind)
-        assert self._posted is not None and self._posted[0] == kind, "expect() was called for another step kind"
+        assert self._posted is not None and self._posted[0] == kind, (
+            "expect() was called for another step kind"
+        )
         _, works, host, values = self._posted
         self._posted = None
         for work in works:
@@ -157,10 +188,10 @@ class LogChannel:
         value = torch.tensor(math.nan, device=self.device) if loss is None else loss.detach()
         values[0] = value
         if same:
-            numbers = [float(r.value) for r in records if not isinstance(r.value, torch.Tensor)]
+            numbers = [float(r.value) for r, s in zip(records, slots, strict=True) if s.kind in _NUMBERS]
             if numbers:
                 host[1 : 1 + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
-            tensors = [r.value.reshape(-1) for r in records if isinstance(r.value, torch.Tensor)]
+            tensors = [r.value.reshape(-1) for r, s in zip(records, slots, strict=True) if s.kind == "tensor"]
             if tensors:
                 flat = torch.cat([t.to(device=values.device, dtype=torch.float64) for t in tensors])
                 values[1 : 1 + flat.numel()] = flat
@@ -169,7 +200,7 @@ class LogChannel:
             self._inflight = (works, (whole, values))  # the buffers stay alive until sent
         else:
             portable = [  # on the CPU: the receivers may have other device indices
-                LogRecord(r.name, r.value.detach().cpu() if isinstance(r.value, torch.Tensor) else r.value, r.kwargs)
+                replace(r, value=r.value.detach().cpu()) if isinstance(r.value, torch.Tensor) else r
                 for r in records
             ]
             dist.broadcast_object_list([portable], self.src, group=self.group)
@@ -196,16 +227,16 @@ def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[Log
     out = []
     host = device = 0
     for slot in layout:
-        value: Any
+        value: Any = None
         if slot.kind == "tensor":
             assert slot.dtype is not None
             value = values[device : device + slot.numel].reshape(slot.shape).to(slot.dtype)
             device += slot.numel
-        else:
+        elif slot.kind in _NUMBERS:
             number = float(numbers[host])
             value = int(number) if slot.kind == "int" else number
             host += 1
-        out.append(LogRecord(slot.name, value, dict(slot.kwargs)))
+        out.append(LogRecord(slot.name, value, dict(slot.kwargs), slot.metric, slot.states))
     return out
 
 

@@ -167,7 +167,7 @@ class PipelinedSteps:
         self, kind: str, loss: Tensor | None, records: list[LogRecord]
     ) -> tuple[Tensor, list[LogRecord]]:
         """Send the last stage's loss and logs along the pipeline; log them again on every rank."""
-        value, logs = self.channel.share(kind, loss, records)
+        value, logs = self.channel.share(kind, loss, records, self.module)
         for record in logs:
             self.module.log(record.name, record.value, **record.kwargs)
         return value, logs
