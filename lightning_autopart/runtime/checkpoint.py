@@ -169,23 +169,23 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
     replace_atomically(path, write, rank)
 
 
-def load_sharded(path: Path, model_keys: Iterable[str], param_names: Iterable[str]) -> dict[str, Any]:
+def load_sharded(
+    path: Path, model_keys: Iterable[str] | None = None, param_names: Iterable[str] | None = None
+) -> dict[str, Any]:
     """The Lightning checkpoint dict of a sharded checkpoint, with only the tensors this rank needs: the model
-    entries ``model_keys`` and the optimizer entries of ``param_names``. Reads without any collective."""
+    entries ``model_keys`` and the optimizer entries of ``param_names`` (None: all). Reads without any
+    collective."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if not (path / METADATA_FILE).is_file():
         raise CheckpointError(f"{path} is a directory without {METADATA_FILE}: not a sharded checkpoint")
-    wanted_model, wanted_params = set(model_keys), set(param_names)
+    wanted_model = None if model_keys is None else set(model_keys)
+    wanted_params = None if param_names is None else set(param_names)
     reader = FileSystemReader(path)
     metadata = reader.read_metadata()
-    keys = set()
-    for flat, where in (metadata.planner_data or {}).items():
-        head = str(where[0])
-        if (head == "model" and where[1] in wanted_model) or (head.startswith("optimizer_") and (where[1] != "state" or where[2] in wanted_params)):
-            keys.add(flat)
+    keys = {flat for flat, where in (metadata.planner_data or {}).items() if _wanted(where, wanted_model, wanted_params)}
     loaded: dict[str, Any] = {}
     if keys:
         # The planner rebuilds the nested entries from the metadata into ``loaded`` (as Lightning's own
@@ -204,30 +204,22 @@ def load_sharded(path: Path, model_keys: Iterable[str], param_names: Iterable[st
 def consolidate(path: Path, output: Path) -> dict[str, Any]:
     """Turn the sharded checkpoint at ``path`` into one file ``output`` that ``torch.load`` and
     ``LightningModule.load_from_checkpoint`` read on one process; returns the checkpoint dict."""
-    checkpoint = load_sharded(path, _all_model_keys(path), _all_param_names(path))
+    checkpoint = load_sharded(path)
     if output.exists():
         raise CheckpointError(f"{output} exists; choose another output path or remove it first")
     replace_atomically(output, lambda partial: torch.save(checkpoint, partial))
     return checkpoint
 
 
-def _all_model_keys(path: Path) -> set[str]:
-    return _planner_names(path, "model", 1)
-
-
-def _all_param_names(path: Path) -> set[str]:
-    return _planner_names(path, "optimizer_", 2)
-
-
-def _planner_names(path: Path, head: str, position: int) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(path).read_metadata()
-    return {
-        str(where[position])
-        for where in (metadata.planner_data or {}).values()
-        if str(where[0]).startswith(head) and len(where) > position
-    }
+def _wanted(where: tuple[Any, ...], model: set[str] | None, params: set[str] | None) -> bool:
+    """Whether the entry at path ``where`` is a wanted model entry, an optimizer group, or a wanted optimizer
+    state (None: every entry of that kind)."""
+    head = str(where[0])
+    if head == "model":
+        return model is None or where[1] in model
+    if not head.startswith("optimizer_"):
+        return False
+    return where[1] != "state" or params is None or where[2] in params
 
 
 def remove_path(path: Path) -> None:
