@@ -40,9 +40,8 @@ from lightning_autopart.lightning.first_batch import (
     optimizer_kind,
 )
 from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, split_module
-from lightning_autopart.lightning.steps import PipelinedSteps
+from lightning_autopart.lightning.step_hooks import StepHooks
 from lightning_autopart.plan import SCHEDULES, Plan
-from lightning_autopart.runtime.gradients import agree_on_overflow, clip_by_global_norm
 from lightning_autopart.runtime.runner import PipelineRunner, move_in_place
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ _STEP_HOOKS = {
 }
 
 
-class AutoPartitionStrategy(CheckpointHooks, ParallelStrategy):
+class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
     """Trains an unchanged LightningModule as a pipeline x data-parallel job planned from its first batch.
 
     Every stage of one pipeline sees the same batch: the data loader's batch is one pipeline's share, so the
@@ -150,10 +149,6 @@ class AutoPartitionStrategy(CheckpointHooks, ParallelStrategy):
     def plan(self) -> Plan | None:
         """The plan every rank runs (set in ``setup``)."""
         return self._part.plan if self._part is not None else None
-
-    @property
-    def _steps(self) -> PipelinedSteps | None:
-        return self._part.steps if self._part is not None else None
 
     @property
     def _runner(self) -> PipelineRunner | None:
@@ -266,7 +261,7 @@ class AutoPartitionStrategy(CheckpointHooks, ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             # Clipping by norm needs the norm over the whole model, not over this rank's stage.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             self._part.steps.scale = self._loss_scale()
 
     @override
@@ -332,84 +327,6 @@ class AutoPartitionStrategy(CheckpointHooks, ParallelStrategy):
     def on_train_start(self) -> None:
         self._restore_example()
         super().on_train_start()
-
-    def _loss_scale(self) -> Any:
-        """The precision plugin's gradient scaler (16-mixed), applied to each micro-batch's loss before its backward,
-        with its inf check agreed by every rank, so that all stages skip the same steps."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None:
-            return None
-        unscale = scaler.unscale_
-
-        def agreed_unscale(optimizer: Any) -> None:
-            unscale(optimizer)
-            if _distributed_is_initialized() and self.world_size > 1:
-                agree_on_overflow(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
-
-        scaler.unscale_ = agreed_unscale
-        return scaler.scale
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._steps is None:
-            raise ConfigError("AutoPartitionStrategy ran a training step before setup partitioned the model")
-        trainer = self._lm.trainer
-        batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        accumulate = trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:  # Lightning zeroes gradients only after this step: start clean
-            for p in self._params:
-                p.grad = None
-        sync = not trainer.fit_loop._should_accumulate()
-        with self.precision_plugin.train_step_context():
-            loss = self._steps.train(batch, batch_idx, accumulate, sync)
-        # Hide the gradients from Lightning's zero_grad, which runs between this step and backward.
-        self._stash = [p.grad for p in self._params]
-        for p in self._params:
-            p.grad = None
-        return loss
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward-only pipeline; every rank of the pipeline returns the predictions of its replica's batch."""
-        assert self._steps is not None, "predict_step before setup"
-        with self.precision_plugin.predict_step_context():
-            return self._steps.predict(*args, **kwargs)
-
-    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        assert self._steps is not None, f"{hook} before setup"
-        context = self.precision_plugin.val_step_context if hook == "validation_step" else (
-            self.precision_plugin.test_step_context
-        )
-        with context():
-            return self._steps.evaluate(hook, *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """No autograd here (the pipeline ran it); fire the hooks and hand the gradients back."""
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lm)
-        for p, g in zip(self._params, self._stash, strict=False):
-            p.grad = g
-        self._stash = []  # the parameters hold them now: kept here, they would outlive zero_grad
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        """``clip_grad_norm_`` with the norm over every stage of the pipeline (tied parameters counted once)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        assert self._part is not None
-        many = len(self._part.steps.runner.placement.pp_ranks) > 1
-        clip_by_global_norm(params, clip_val, self._part.counted_elsewhere, self._part.pp_group if many else None)
 
     @override
     def barrier(self, name: str | None = None) -> None:
