@@ -10,7 +10,8 @@ hold a copy and averaged over replicas, in one all-reduce over all its holders.
 [Note: fixed shapes] Every step must bring exactly ``plan.batch_size / replicas`` samples per replica, split
 evenly into ``plan.micro_batches`` micro-batches (the plan guarantees divisibility): the stages are captured at
 the micro-batch size and the shapes sent between them are fixed. Another batch size raises
-:class:`~lightning_autopart.errors.ConfigError` before any communication starts.
+:class:`~lightning_autopart.errors.ConfigError` before any communication starts. (The Lightning strategy
+pads a smaller last batch up to this size and weights its losses by real samples: [Note: ragged batches].)
 
 [Note: one stage] A 1-stage plan (pure data parallelism) runs each micro-batch's forward, loss and backward
 directly, in order, with the same slicing and loss scaling as the schedules: torch.distributed.pipelining would
@@ -49,6 +50,7 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
 from lightning_autopart.runtime.buckets import GradBucket, all_reduce_mean, make_buckets
 from lightning_autopart.runtime.gradients import keep_contiguous
+from lightning_autopart.runtime.recompute import Recompute, log_recompute
 from lightning_autopart.runtime.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
 from lightning_autopart.runtime.topology import build_groups, place, tied_ranks
 from lightning_autopart.runtime.wire import WireStage, infer_wire_metadata, touch
@@ -109,7 +111,8 @@ class PipelineRunner:
             self.modules[s] = module
             received = None if s == 0 else stage_inputs(captured, stage.block_start)
             sent = None if s == last else stage_outputs(captured, stage.block_end)
-            self._wire[s] = WireStage(module, received, sent)
+            self._wire[s] = WireStage(Recompute(module) if stage.checkpoint else module, received, sent)
+        log_recompute([s.index for s in plan.stages if s.checkpoint], plan.num_stages, rank)
         self._pp_group = groups[tuple(sorted(self.placement.pp_ranks))]
         self._dp_group = groups.get(self.placement.dp_ranks)
         self._tied = self._tied_params(tied, captured, groups)
