@@ -192,36 +192,60 @@ def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
         yield
 
 
-def merge_logs(records: list[LogRecord]) -> list[LogRecord]:
-    """One record per name: the mean of its micro-batch values (equal micro-batches), last call's options; a
-    logged metric's value is its step value, and each updated metric is noted once, after them.
+def merge_logs(records: list[LogRecord], samples: list[int] | None = None) -> list[LogRecord]:
+    """One record per name: the mean of its micro-batch values, last call's options; a logged metric's value
+    is its step value, and each updated metric is noted once, after them.
 
-    Tensors are averaged on their device; nothing is read back to the host.
+    ``samples[j]`` is how many samples the micro-batch that made ``records[j]`` held: values of micro-batches
+    of different sizes (a ragged batch, see [Note: ragged batches]) are weighted by them, and a ``batch_size``
+    the step gave as its micro-batch's size becomes the batch's (their sum), as one process logs it. None:
+    equal micro-batches. Tensors are averaged on their device; nothing is read back to the host.
     """
-    merged: dict[str, list[LogRecord]] = {}
+    merged: dict[str, list[tuple[LogRecord, int]]] = {}
     notes = []
-    for r in records:
+    for j, r in enumerate(records):
         if r.states is not None:
             notes.append(r)
         else:
-            merged.setdefault(r.name, []).append(r)
+            merged.setdefault(r.name, []).append((r, samples[j] if samples is not None else 1))
     out = []
-    for name, recs in merged.items():
+    for name, pairs in merged.items():
+        recs, counts = [r for r, _ in pairs], [c for _, c in pairs]
+        kwargs = _whole_batch_size(recs, counts) if samples is not None else recs[-1].kwargs
         last = recs[-1].value
         if recs[-1].metric is not None:
             out.append(replace(recs[-1], value=step_value(last) if is_metric(last) else last))
             continue
         if len(recs) == 1:
-            out.append(recs[0])
+            out.append(recs[0] if kwargs is recs[0].kwargs else replace(recs[0], kwargs=kwargs))
             continue
+        total = sum(counts)
+        weights = None if len(set(counts)) == 1 else [c / total for c in counts]
         value: Any
         if isinstance(last, torch.Tensor):
             values = [torch.as_tensor(r.value, dtype=torch.float64, device=last.device) for r in recs]
-            value = torch.stack(values).mean(0).to(last.dtype)
-        else:
+            if weights is None:
+                value = torch.stack(values).mean(0).to(last.dtype)
+            else:  # Python weights: no host-to-device copy
+                weighted = [v * w for v, w in zip(values, weights, strict=True)]
+                value = torch.stack(weighted).sum(0).to(last.dtype)
+        elif weights is None:
             value = sum(float(r.value) for r in recs) / len(recs)
-        out.append(LogRecord(name, value, recs[-1].kwargs))
+        else:
+            value = sum(float(r.value) * w for r, w in zip(recs, weights, strict=True))
+        out.append(LogRecord(name, value, kwargs))
     return out + finish_notes(notes)
+
+
+def _whole_batch_size(records: list[LogRecord], samples: list[int]) -> dict[str, Any]:
+    """The last record's options, with ``batch_size`` the sum of the micro-batches' when every call gave its
+    own micro-batch's size (``batch_size=len(x)``); any other ``batch_size`` (a constant) is kept as given."""
+    kwargs = records[-1].kwargs
+    given = [r.kwargs.get("batch_size") for r in records]
+    own = all(type(g) is int and g == s for g, s in zip(given, samples, strict=True))
+    if not own or kwargs["batch_size"] == sum(samples):
+        return kwargs
+    return {**kwargs, "batch_size": sum(samples)}
 
 
 def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, logger: Any = None,

@@ -5,7 +5,9 @@ stage runs the whole step once per micro-batch, on that micro-batch's slice of t
 forward returning the pipeline's output (rebuilt in the model's own output structure), so the user's loss
 code, ``self.log`` calls and metrics run unchanged there. The last stage's loss and logs then reach every rank
 of the pipeline (see [Note: log channel]) and are logged there again. Nothing here reads a device value back
-to the host: losses and logged tensors stay tensors until Lightning itself reads them.
+to the host: losses and logged tensors stay tensors until Lightning itself reads them. A smaller batch (the
+last of an epoch) is padded to the planned shape, its micro-batches weighted by their real samples (see
+[Note: ragged batches] in :mod:`lightning_autopart.lightning.ragged`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ from lightning_autopart.lightning.hooks import (
     slice_batch,
 )
 from lightning_autopart.lightning.log_channel import LogChannel
+from lightning_autopart.lightning.ragged import (
+    coupled_message,
+    coupled_modules,
+    pad_batch,
+    real_rows,
+    trim_output,
+    zero_loss,
+)
 from lightning_autopart.runtime.runner import PipelineRunner
 
 __all__ = ["PipelinedSteps"]
@@ -62,6 +72,8 @@ class PipelinedSteps:
         self.constant_inputs = constant_inputs
         #: Applied to each micro-batch's loss before its backward (a gradient scaler's ``scale``), or None.
         self.scale: Callable[[Tensor], Tensor] | None = None
+        #: The model's floating outputs without a batch dimension (see ``ragged.batchless_outputs``).
+        self.batchless: list[str] = []
 
     def root(self) -> nn.Module:
         """The pipelined module."""
@@ -69,59 +81,87 @@ class PipelinedSteps:
         return root
 
     def train(self, batch: Any, batch_idx: int, accumulate: int, sync: bool) -> Tensor:
-        """One training step; gradients add to ``.grad`` (all-reduced if ``sync``); returns the batch's loss."""
+        """One training step; gradients add to ``.grad`` (all-reduced if ``sync``); returns the batch's loss.
+
+        A batch smaller than the plan's is padded, its micro-batches weighted by their real samples (see
+        [Note: ragged batches])."""
         size = self.check_batch(batch)
         self.channel.expect("training_step")
         records: list[LogRecord] = []
+        samples: list[int] = []  # the real samples of the micro-batch that made each record
         module = self.module
+        local, count = self.runner.local_batch_size, self.runner.plan.micro_batches
 
         def loss_fn(output: Any, index: Tensor) -> Tensor:
             lo, hi = sample_range(index)
+            rows = real_rows(lo, hi, size)
+            if rows == 0:
+                return zero_loss(output)
+            if rows < hi - lo:
+                output = trim_output(output, hi - lo, rows)
+            before = len(records)
             with replaced_forward(self.root(), output), capture_logs(module, records):
-                out = module.training_step(slice_batch(batch, lo, hi, size), batch_idx)
+                out = module.training_step(slice_batch(batch, lo, lo + rows, size), batch_idx)
+            samples.extend([rows] * (len(records) - before))
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, Tensor):
                 raise ConfigError(
                     "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
                 )
+            if size < local:  # the runner divides by the micro-batches: weight by real samples
+                loss = loss * (rows * count / size)
             return loss / accumulate
 
-        inputs = self.inputs(lambda: module.training_step(batch, batch_idx))
-        target = batch_range(size) if self.runner.is_last else None
+        padded = self.padded(batch, size)
+        inputs = self.inputs(lambda: module.training_step(padded, batch_idx))
+        target = batch_range(local) if self.runner.is_last else None
         self.runner.loss_fn = loss_fn
         try:
             loss = self.runner.step(inputs, target, sync=sync, scale=self.scale)
         finally:
             self.runner.loss_fn = None  # the closure holds the batch: it must not outlive the step
         value, _ = self.replay(
-            "training_step", None if loss is None else loss * accumulate, merge_logs(records)
+            "training_step", None if loss is None else loss * accumulate, merge_logs(records, samples)
         )
         return value
 
     def evaluate(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipeline; the user's ``hook`` runs on the last stage once per micro-batch, on its slice of
         the batch, its logs merged as in training and replayed on every rank. Returns the step's outputs merged
-        (see :func:`merge_outputs`)."""
+        (see :func:`merge_outputs`). A smaller batch is padded, and the step runs on its real samples only."""
         step = getattr(self.module, hook)
         batch = args[0] if args else kwargs["batch"]
         size = self.check_batch(batch)
         self.channel.expect(hook)
         records: list[LogRecord] = []
+        samples: list[int] = []
         outputs: list[Any] = []
+        weights: list[int] = []
 
         def each(output: Any, index: Tensor) -> None:
             lo, hi = sample_range(index)
-            part = slice_batch(batch, lo, hi, size)
+            rows = real_rows(lo, hi, size)
+            if rows == 0:
+                return
+            if rows < hi - lo:
+                output = trim_output(output, hi - lo, rows)
+            part = slice_batch(batch, lo, lo + rows, size)
             sliced = (part, *args[1:]) if args else args
             options = {**kwargs, "batch": part} if not args else kwargs
+            before = len(records)
             with replaced_forward(self.root(), output), capture_logs(self.module, records):
                 outputs.append(step(*sliced, **options))
+            samples.extend([rows] * (len(records) - before))
+            weights.append(rows)
 
-        inputs = self.inputs(lambda: step(*args, **kwargs))
-        target = batch_range(size) if self.runner.is_last else None
+        padded = self.padded(batch, size)
+        full_args = (padded, *args[1:]) if args else args
+        full_kwargs = {**kwargs, "batch": padded} if not args else kwargs
+        inputs = self.inputs(lambda: step(*full_args, **full_kwargs))
+        target = batch_range(self.runner.local_batch_size) if self.runner.is_last else None
         self.runner.eval_step(inputs, target, each)
-        self.replay(hook, None, merge_logs(records))
-        return merge_outputs(outputs) if self.runner.is_last else None
+        self.replay(hook, None, merge_logs(records, samples))
+        return merge_outputs(outputs, weights) if self.runner.is_last else None
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """``predict_step`` through the forward-only pipeline; its merged outputs reach every rank of the
@@ -136,16 +176,30 @@ class PipelinedSteps:
         return outputs if self.runner.is_last else tree_map(lambda t: _to_device(t, self.device), box[0])
 
     def check_batch(self, batch: Any) -> int:
-        """The batch's size, which must be the plan's per-replica batch (pipelined shapes are fixed)."""
+        """The batch's size: at most the plan's per-replica batch (pipelined shapes are fixed); a smaller one
+        is padded (see [Note: ragged batches]), unless the model normalises over the batch."""
         size = batch_size_of(batch)
-        plan = self.runner.plan
-        if size != self.runner.local_batch_size:
+        local, plan = self.runner.local_batch_size, self.runner.plan
+        if size > local:
             raise ConfigError(
-                f"a batch of {size} samples reached the pipeline, but the plan needs {self.runner.local_batch_size} "
-                f"per replica (global batch {plan.batch_size} over {plan.replicas} replicas): pipelined "
-                "shapes are fixed, so use drop_last=True and the same batch size in every loader"
+                f"a batch of {size} samples reached the pipeline, but the plan needs {local} per replica "
+                f"(global batch {plan.batch_size} over {plan.replicas} replicas): pipelined shapes are "
+                f"fixed, so give every loader batch_size={local} (a smaller last batch is padded)"
             )
+        if size < local:
+            coupled = coupled_modules(self.root())
+            if coupled:
+                raise ConfigError(
+                    f"a batch of {size} samples reached the pipeline, planned for {local} per replica; "
+                    + coupled_message(coupled, "use drop_last=True, or batches of the planned size")
+                )
         return size
+
+    def padded(self, batch: Any, size: int) -> Any:
+        """On the first stage, ``batch`` padded to the plan's per-replica batch (itself when full); elsewhere
+        ``batch`` (only the first stage feeds the model)."""
+        local = self.runner.local_batch_size
+        return pad_batch(batch, size, local) if size < local and self.runner.is_first else batch
 
     def inputs(self, step: Callable[[], Any]) -> tuple[Any, ...] | None:
         """On the first stage, the tensors the user's step gives the model (the step is stopped there)."""
@@ -173,22 +227,29 @@ class PipelinedSteps:
         return value, logs
 
 
-def merge_outputs(outputs: list[Any]) -> Any:
+def merge_outputs(outputs: list[Any], samples: list[int] | None = None) -> Any:
     """An evaluation step's per-micro-batch returns as one: tensors with a batch dimension concatenated,
-    scalar tensors averaged (a mean over equal micro-batches), anything else taken from the last micro-batch."""
+    scalar tensors averaged (weighted by ``samples``, each micro-batch's real samples, where they differ),
+    anything else taken from the last micro-batch."""
     if len(outputs) == 1:
         return outputs[0]
     flat = [tree_flatten(o) for o in outputs]
     spec = flat[-1][1]
     if any(s != spec for _, s in flat):
         return outputs[-1]
+    weights = None
+    if samples is not None and len(set(samples)) > 1:
+        weights = [c / sum(samples) for c in samples]
     merged = []
     for parts in zip(*(leaves for leaves, _ in flat), strict=True):
         first = parts[0]
         if isinstance(first, Tensor) and first.dim() > 0:
             merged.append(torch.cat(parts))
         elif isinstance(first, Tensor) and first.is_floating_point():
-            merged.append(torch.stack(parts).mean())
+            if weights is None:
+                merged.append(torch.stack(parts).mean())
+            else:
+                merged.append(torch.stack([p * w for p, w in zip(parts, weights, strict=True)]).sum())
         else:
             merged.append(parts[-1])
     return tree_unflatten(merged, spec)

@@ -96,22 +96,33 @@ def test_a_failing_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     assert (path / "x").read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
-def _trainer(train: Any, val: Any = None) -> Any:
+def _trainer(train: Any, val: Any = None, module: nn.Module | None = None) -> Any:
     def loop(loader: Any) -> Any:
         source = SimpleNamespace(is_defined=lambda: loader is not None, dataloader=lambda: loader)
         return SimpleNamespace(_data_source=source)
 
     fit = loop(train)
     fit.epoch_loop = SimpleNamespace(val_loop=loop(val))
-    return SimpleNamespace(fit_loop=fit, validate_loop=loop(val), test_loop=loop(None), predict_loop=loop(None))
+    module = module if module is not None else nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    return SimpleNamespace(
+        lightning_module=module,
+        fit_loop=fit,
+        validate_loop=loop(val),
+        test_loop=loop(None),
+        predict_loop=loop(None),
+    )
 
 
-def test_ragged_last_batches_are_refused_before_training() -> None:
+def test_ragged_last_batches_are_refused_before_training_with_batch_norm() -> None:
+    """A smaller last batch is padded (see [Note: ragged batches]): BatchNorm's statistics would see it."""
     data = TensorDataset(torch.zeros(20, 2))
     check_even_batches(_trainer(DataLoader(data, batch_size=5)), "training_step", 2)  # 10 per replica
     check_even_batches(_trainer(DataLoader(data, batch_size=4, drop_last=True)), "training_step", 1)
     with pytest.raises(ConfigError, match="train loader's last batch per replica holds 2 samples, not 4"):
         check_even_batches(_trainer(DataLoader(data, batch_size=4)), "training_step", 2)
+    check_even_batches(_trainer(DataLoader(data, batch_size=4), module=nn.Linear(2, 2)), "training_step", 2)
     val = [DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)]
+    check_even_batches(_trainer(DataLoader(data, batch_size=5), val), "training_step", 1)  # eval: running
+    stateless = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, track_running_stats=False))
     with pytest.raises(ConfigError, match=r"val loader.*drop_last=True"):
-        check_even_batches(_trainer(DataLoader(data, batch_size=5), val), "training_step", 1)
+        check_even_batches(_trainer(DataLoader(data, batch_size=5), val, stateless), "training_step", 1)
