@@ -1,4 +1,5 @@
-"""The ``autopart`` command: ``plan`` a model for a cluster, ``show`` a saved plan and draw its timeline."""
+"""The ``autopart`` command: ``plan`` a model for a cluster, ``show`` a saved plan and draw its timeline,
+``consolidate`` a sharded checkpoint into one file."""
 
 from __future__ import annotations
 
@@ -7,26 +8,27 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 from torch import nn
 
+from lightning_autopart.capture import capture
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import device_spec
-from lightning_autopart.errors import AutopartError, ConfigError
+from lightning_autopart.errors import AutopartError, CheckpointError, ConfigError
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
-from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan
-from lightning_autopart.plan.report import WIDTH, print_plan
-from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model, profile_model
+from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan, with_planning_time
+from lightning_autopart.plan.report import WIDTH, print_plan, profiling_progress
+from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model
 from lightning_autopart.profile.loss import LossFn
+from lightning_autopart.profile.records import capture_fingerprint
 
 __all__ = ["build_parser", "main"]
 
@@ -115,7 +117,18 @@ def build_parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
         "--batch-size", type=int | None, default=None, help="Check the plan against this batch size."
     )
     sub.add_subcommand("show", show, help="Print a saved plan and draw its timeline.")
-    return root, {"plan": plan, "show": show}
+
+    merge = ArgumentParser(
+        exit_on_error=False,
+        description="Write a sharded checkpoint directory (AutoPartitionStrategy(checkpoint='sharded')) as one "
+        "file that LightningModule.load_from_checkpoint and torch.load read on one process.",
+    )
+    merge.add_argument("checkpoint", type=str, metavar="CKPT_DIR", help="The sharded checkpoint directory.")
+    merge.add_argument("target", type=str | None, nargs="?", default=None, metavar="OUTPUT", help="The file.")
+    merge.add_argument("-o", "--output", type=str | None, default=None, help="The file (instead of OUTPUT).")
+    merge.add_argument("--force", action="store_true", help="Replace OUTPUT if it exists.")
+    sub.add_subcommand("consolidate", merge, help="Turn a sharded checkpoint into one file.")
+    return root, {"plan": plan, "show": show, "consolidate": merge}
 
 
 def _add_input_arguments(parser: ArgumentParser) -> None:
@@ -152,8 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if cfg.command == "plan":
             _plan(cfg.plan, out, err)
-        else:
+        elif cfg.command == "show":
             _show(cfg.show, out)
+        else:
+            _consolidate(cfg.consolidate, out)
     except SystemExit as exit_:  # --help, --print_config
         return exit_.code if isinstance(exit_.code, int) else 0
     except AutopartError as error:
@@ -168,7 +183,10 @@ def _argument_message(message: str) -> str:
     """jsonargparse's multi-line parse error as one line: the option, and the most specific reason."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if lines and lines[0].startswith('expected "command"'):
-        return "give a command: `autopart plan --model CLASS ...` or `autopart show PLAN.json`"
+        return (
+            "give a command: `autopart plan --model CLASS ...`, `autopart show PLAN.json` or "
+            "`autopart consolidate CKPT_DIR OUTPUT`"
+        )
     key = re.match(r'Parser key "([^"]+)"', lines[0]) if lines else None
     option = "--" + key.group(1).replace("_", "-") if key else None
     for i, line in enumerate(lines):
@@ -182,11 +200,18 @@ def _argument_message(message: str) -> str:
     text = re.sub(r"Expected a typing\.Literal\[(.*?)\]\.", r"expected one of \1;", text)
     text = re.sub(r"Expected a <class '(\w+)'>\.", lambda m: f"expected {_TYPE_NAMES.get(m[1], m[1])};", text)
     text = text.replace("; Got value:", ", got")
-    text = re.sub(r"\b(?:plan|show)\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), text)
+    text = re.sub(r"\b(?:plan|show|consolidate)\.(\w+)", _option_name, text)
     return f"{option}: {text}" if option else text
 
 
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string"}
+#: What the messages call the positional arguments.
+_POSITIONALS = {"plan_file": "PLAN_FILE", "checkpoint": "CKPT_DIR"}
+
+
+def _option_name(match: re.Match[str]) -> str:
+    """A parser key ("show.plan_file", "plan.batch_size") as the user types it ("PLAN_FILE", "--batch-size")."""
+    return _POSITIONALS.get(match[1], "--" + match[1].replace("_", "-"))
 
 
 def _console(file: Any) -> Console:
@@ -206,7 +231,8 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
         root, inputs, loss, samples = step
     else:
         root, inputs, loss, samples = model, _example_inputs(cfg, model, meta=estimate), None, None
-    with _progress(err) as progress:
+    start = time.perf_counter()
+    with profiling_progress(err) as progress:
         plan = plan_model(
             root,
             inputs,
@@ -225,6 +251,7 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
             loss=loss,
             loss_samples=samples,
         )
+    plan = with_planning_time(plan, time.perf_counter() - start)  # what the strategy's load_plan skips
     print_plan(plan, out)
     if cfg.output:
         path = Path(cfg.output)
@@ -242,10 +269,7 @@ def _show(cfg: Namespace, out: Console) -> None:
         model = _build_model(cfg.model, meta=True)
         inputs = _example_inputs(cfg, model, meta=True)
         max_blocks = plan.notes.get("max_blocks", cfg.max_blocks)
-        prof = profile_model(
-            model, inputs, profile="estimate", spec=DEFAULT_ESTIMATE_SPEC, max_blocks=max_blocks
-        )
-        fingerprint = prof.fingerprint()
+        fingerprint = capture_fingerprint(capture(model, inputs, max_blocks=max_blocks))  # no profile needed
     check_compatible(plan, fingerprint=fingerprint, world_size=cfg.world_size, batch_size=cfg.batch_size)
     print_plan(plan, out)
     if fingerprint is not None:
@@ -256,6 +280,28 @@ def _show(cfg: Namespace, out: Console) -> None:
         if path:
             _draw(plan, Path(path), what)
             out.print(f"{what} drawn to {path}", highlight=False)
+
+
+def _consolidate(cfg: Namespace, out: Console) -> None:
+    """``autopart consolidate``: the sharded checkpoint ``cfg.checkpoint`` as one file, written atomically."""
+    from lightning_autopart.runtime.checkpoint import consolidate
+
+    if cfg.target and cfg.output and cfg.target != cfg.output:
+        raise ConfigError(f"two outputs given, {cfg.target} and -o {cfg.output}; give one")
+    if not (cfg.target or cfg.output):
+        raise ConfigError(f"give the output file: `autopart consolidate {cfg.checkpoint} OUTPUT` (or -o OUTPUT)")
+    source, target = Path(cfg.checkpoint), Path(cfg.target or cfg.output)
+    try:
+        checkpoint = consolidate(source, target, overwrite=cfg.force)
+    except (OSError, RuntimeError, ValueError, KeyError) as error:  # a damaged directory, a full disk
+        raise CheckpointError(f"cannot consolidate {source}: {type(error).__name__}: {error}") from error
+    entries, optimizers = len(checkpoint.get("state_dict", {})), len(checkpoint.get("optimizer_states", []))
+    out.print(
+        f"consolidated {source} ({entries} model entries, {optimizers} optimizer states) into {target} "
+        f"({target.stat().st_size / 1e6:.1f} MB); load it with YourModule.load_from_checkpoint({str(target)!r})",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _draw(plan: Plan, path: Path, what: str) -> None:
@@ -347,35 +393,3 @@ def _local_spec() -> str:
 
         return resolve_spec(None, torch.device("cuda", torch.cuda.current_device())).name
     return device_spec("cpu").name
-
-
-@contextmanager
-def _progress(console: Console) -> Iterator[Any]:
-    """A rich progress bar driven by ``progress(done, total, block_name)`` callbacks; shown from the first call."""
-    bar = Progress(
-        TextColumn("profiling {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
-    task: list[Any] = []
-    start = time.perf_counter()
-
-    def update(done: int, total: int, name: str) -> None:
-        if not task:
-            if console.is_terminal:  # a live bar only where it can redraw itself; a CI log gets the summary
-                bar.start()
-            task.append(bar.add_task(name, total=total))
-        bar.update(task[0], completed=done, total=total, description=name)
-
-    try:
-        yield update
-    finally:
-        if task and console.is_terminal:
-            bar.stop()
-    blocks = int(bar.tasks[0].total or 0) if task else 0
-    console.print(
-        f"profiled {blocks} blocks in {time.perf_counter() - start:.1f} s", style="dim", highlight=False
-    )

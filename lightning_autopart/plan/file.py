@@ -1,6 +1,7 @@
 """The Plan: stages, replicas, ranks, micro-batches, schedule and predictions; the JSON boundary of planning.
 
-Format and fields: docs/plan-format.md. A plan is immutable; ``save``/``load`` round-trip it exactly.
+Format and fields: docs/plan-format.md. A plan is immutable; ``save``/``load`` round-trip it exactly. Its checks
+against a model and a job are in :mod:`lightning_autopart.plan.checks`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_autopart.cluster import Cluster
-from lightning_autopart.errors import PlanFileError, PlanMismatchError
+from lightning_autopart.errors import PlanFileError
 
 __all__ = [
     "LAYOUTS",
@@ -24,7 +25,6 @@ __all__ = [
     "Plan",
     "Prediction",
     "StagePlan",
-    "check_compatible",
     "load_plan",
     "save_plan",
 ]
@@ -240,71 +240,6 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     return Plan.load(path)
 
 
-def check_compatible(
-    plan: Plan,
-    *,
-    fingerprint: dict[str, Any] | None = None,
-    world_size: int | None = None,
-    batch_size: int | None = None,
-) -> None:
-    """Raise :class:`PlanMismatchError` naming the field if ``plan`` was made for another model, world or batch.
-
-    Args:
-        plan: A loaded plan.
-        fingerprint: ``ModelProfile.fingerprint()`` of the model about to run (None: not checked).
-        world_size: Ranks of the job about to run (None: not checked).
-        batch_size: Global batch size of the job about to run (None: not checked).
-    """
-    if fingerprint is not None:
-        _check_fingerprint(plan.fingerprint, fingerprint)
-    planned_world = plan.cluster.world_size
-    if world_size is not None and world_size != planned_world:
-        raise PlanMismatchError(
-            f"plan was made for world size {planned_world}, this job has {world_size} ranks; "
-            f"re-plan with --devices {world_size} or drop load_plan"
-        )
-    if batch_size is not None and batch_size != plan.batch_size:
-        raise PlanMismatchError(
-            f"plan was made for global batch size {plan.batch_size}, this job uses {batch_size}; "
-            f"re-plan with --batch-size {batch_size} or drop load_plan"
-        )
-
-
-def _check_fingerprint(planned: dict[str, Any], actual: dict[str, Any]) -> None:
-    """Compare two model fingerprints field by field, most telling difference first."""
-    another = "the plan is for another model; re-plan for this model or drop load_plan"
-    if planned.get("model") != actual.get("model"):
-        raise PlanMismatchError(
-            f"plan was made for model {planned.get('model')!r}, this model is {actual.get('model')!r}: {another}"
-        )
-    old, new = planned.get("blocks", []), actual.get("blocks", [])
-    if len(old) != len(new):
-        raise PlanMismatchError(
-            f"the plan has {len(old)} blocks, this model has {len(new)} (or was captured with another "
-            f"--max-blocks): {another}"
-        )
-    for i, (a, b) in enumerate(zip(old, new, strict=True)):
-        if a.get("name") != b.get("name"):
-            raise PlanMismatchError(
-                f"block {i} is {a.get('name')!r} in the plan, {b.get('name')!r} in this model: {another}"
-            )
-        if a.get("param_count") != b.get("param_count"):
-            raise PlanMismatchError(
-                f"block {i} {a.get('name')!r} has {a.get('param_count'):,} parameters in the plan, "
-                f"{b.get('param_count'):,} in this model: {another}"
-            )
-        if a.get("shapes_sha256") != b.get("shapes_sha256"):
-            raise PlanMismatchError(
-                f"block {i} {a.get('name')!r} has parameters of other shapes in the plan than in this model "
-                f"(same count, shape digest {a.get('shapes_sha256')} vs {b.get('shapes_sha256')}): {another}"
-            )
-    if planned.get("param_count") != actual.get("param_count"):
-        raise PlanMismatchError(
-            f"the plan's model has {planned.get('param_count'):,} parameters, this model "
-            f"{actual.get('param_count'):,}: {another}"
-        )
-
-
 def _sorted(value: Any) -> Any:
     """``value`` with every dict's keys sorted (recursively) and tuples turned into lists."""
     if isinstance(value, dict):
@@ -510,3 +445,4 @@ def _rank_problems(plan: Plan) -> list[str]:
             + (f" (and {len(wrong) - 1} more ranks like it)" if len(wrong) > 1 else "")
         )
     return problems
+

@@ -1,20 +1,33 @@
-"""The plan as rich tables: per-stage blocks, ranks and times, per-device memory, and the predicted step."""
+"""The plan as rich tables: per-stage blocks, ranks and times, per-device memory, and the predicted step; and the
+progress of profiling, as ``autopart plan`` shows it."""
 
 from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from lightning_autopart.cluster import format_bytes
 from lightning_autopart.plan import Plan, StagePlan
 
-__all__ = ["format_count", "format_ms", "format_plan", "format_ranks", "print_plan", "stages_by_rank"]
+__all__ = [
+    "format_count",
+    "format_ms",
+    "format_plan",
+    "format_ranks",
+    "print_plan",
+    "profiling_progress",
+    "stages_by_rank",
+]
 
 #: Widest the plan tables get; they fit a 120-column terminal and CI logs.
 WIDTH = 120
@@ -253,3 +266,35 @@ def _share(part: float, whole: float, *, bare: bool = False) -> str:
         return ""
     share = f"{part / whole:.0%}"
     return share if bare else f" ({share})"
+
+
+@contextmanager
+def profiling_progress(console: Console) -> Iterator[Any]:
+    """A rich progress bar driven by ``progress(done, total, block_name)`` callbacks; shown from the first call."""
+    bar = Progress(
+        TextColumn("profiling {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    task: list[Any] = []
+    start = time.perf_counter()
+
+    def update(done: int, total: int, name: str) -> None:
+        if not task:
+            if console.is_terminal:  # a live bar only where it can redraw itself; a CI log gets the summary
+                bar.start()
+            task.append(bar.add_task(name, total=total))
+        bar.update(task[0], completed=done, total=total, description=name)
+
+    try:
+        yield update
+    finally:
+        if task and console.is_terminal:
+            bar.stop()
+    blocks = int(bar.tasks[0].total or 0) if task else 0
+    console.print(
+        f"profiled {blocks} blocks in {time.perf_counter() - start:.1f} s", style="dim", highlight=False
+    )

@@ -18,12 +18,28 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_autopart.errors import ConfigError
 
-__all__ = ["BlockCostAt", "BlockProfile", "CostPoint", "ModelProfile", "TiedParam", "cost_at", "optimizer_state_factor", "optimizer_transient_factor", "with_curve"]
+if TYPE_CHECKING:
+    from lightning_autopart.capture.graph import CapturedModel
+
+__all__ = [
+    "BlockCostAt",
+    "BlockProfile",
+    "CostPoint",
+    "ModelProfile",
+    "TiedParam",
+    "capture_fingerprint",
+    "cost_at",
+    "fingerprint_of",
+    "optimizer_state_factor",
+    "optimizer_transient_factor",
+    "with_curve",
+]
 
 #: One point of a cost curve: (samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes).
 CostPoint = tuple[int, float, float, int, int, int]
@@ -152,6 +168,7 @@ def cost_at(block: BlockProfile, samples: int, batch_size: int) -> BlockCostAt:
 
     return BlockCostAt(at(1), at(2), int(-(-at(3) // 1)), int(-(-at(4) // 1)), int(-(-at(5) // 1)))
 
+
 def with_curve(block: BlockProfile, points: list[CostPoint] | tuple[CostPoint, ...]) -> BlockProfile:
     """``block`` with the cost curve ``points`` (ascending sizes), its figures those of the largest size."""
     top = points[-1]
@@ -216,12 +233,8 @@ class ModelProfile:
         return sum(b.param_count for b in self.blocks)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies the model in a plan file: class, block names, parameter counts, a digest of shapes."""
-        blocks = []
-        for b in self.blocks:
-            digest = hashlib.sha256(json.dumps(b.param_shapes).encode()).hexdigest()[:16]
-            blocks.append({"name": b.name, "param_count": b.param_count, "shapes_sha256": digest})
-        return {"model": self.model, "param_count": self.param_count, "blocks": blocks}
+        """What identifies the model in a plan file (see :func:`fingerprint_of`)."""
+        return fingerprint_of(self.model, ((b.name, b.param_shapes, b.param_count) for b in self.blocks))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -244,3 +257,37 @@ class ModelProfile:
         tied = tuple(TiedParam(t["name"], t["param_bytes"], tuple(t["blocks"])) for t in data.get("tied", ()))
         rest = {k: v for k, v in data.items() if k not in ("blocks", "tied")}
         return cls(blocks=blocks, tied=tied, **rest)
+
+
+#: Per block: its name, the FQNs and shapes of the parameters it owns (first use), and their element count.
+BlockParams = tuple[str, Sequence[tuple[str, Sequence[int]]], int]
+
+
+def fingerprint_of(model: str, blocks: Iterable[BlockParams]) -> dict[str, Any]:
+    """What identifies a model in a plan file: its class name and, per block, its name, parameter count and a
+    digest of its parameters' names and shapes (plus the total count).
+
+    The one definition behind :meth:`ModelProfile.fingerprint` (a plan made by ``autopart plan`` or by the
+    strategy) and :func:`capture_fingerprint` (a model about to run a loaded plan), so the two always agree.
+    """
+    records = []
+    total = 0
+    for name, shapes, count in blocks:
+        pairs = [[fqn, [int(d) for d in shape]] for fqn, shape in shapes]
+        digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
+        records.append({"name": name, "param_count": count, "shapes_sha256": digest})
+        total += count
+    return {"model": model, "param_count": total, "blocks": records}
+
+
+def capture_fingerprint(captured: CapturedModel) -> dict[str, Any]:
+    """:func:`fingerprint_of` a captured model, without profiling it: equal to the fingerprint of its profile
+    (ownership of tied parameters by first use, as the profiler counts it), so a loaded plan is checked
+    against the one capture the runtime makes anyway."""
+    from lightning_autopart.profile.memory import account_memory  # torch: only here, never at import
+
+    owned, _ = account_memory(captured, None, 0.0)
+    return fingerprint_of(
+        type(captured.module).__name__,
+        ((b.name, m.param_shapes, m.param_count) for b, m in zip(captured.blocks, owned, strict=True)),
+    )

@@ -180,7 +180,10 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if not (path / METADATA_FILE).is_file():
-        raise CheckpointError(f"{path} is a directory without {METADATA_FILE}: not a sharded checkpoint")
+        raise CheckpointError(
+            f"{path} is a directory without {METADATA_FILE}: not a sharded checkpoint; give a directory written "
+            "by AutoPartitionStrategy(checkpoint='sharded') or Lightning's sharded strategies"
+        )
     wanted_model = None if model_keys is None else set(model_keys)
     wanted_params = None if param_names is None else set(param_names)
     reader = FileSystemReader(path)
@@ -201,12 +204,22 @@ def load_sharded(
     return checkpoint
 
 
-def consolidate(path: Path, output: Path) -> dict[str, Any]:
+def consolidate(path: Path, output: Path, overwrite: bool = False) -> dict[str, Any]:
     """Turn the sharded checkpoint at ``path`` into one file ``output`` that ``torch.load`` and
-    ``LightningModule.load_from_checkpoint`` read on one process; returns the checkpoint dict."""
+    ``LightningModule.load_from_checkpoint`` read on one process; returns the checkpoint dict.
+
+    An existing ``output`` is refused, or replaced atomically with ``overwrite`` (``autopart consolidate --force``).
+    """
+    if not path.is_dir():
+        what = "is a file, not a sharded checkpoint directory (it is one file already)" if path.exists() else (
+            "does not exist"
+        )
+        raise CheckpointError(f"checkpoint {path} {what}; give the directory a sharded checkpoint was saved to")
+    if output.is_dir() or output.resolve() == path.resolve():
+        raise CheckpointError(f"output {output} is a directory; give a file path, e.g. {path.name}.consolidated")
+    if output.exists() and not overwrite:
+        raise CheckpointError(f"output {output} exists; choose another path, or replace it (--force)")
     checkpoint = load_sharded(path)
-    if output.exists():
-        raise CheckpointError(f"{output} exists; choose another output path or remove it first")
     replace_atomically(output, lambda partial: torch.save(checkpoint, partial))
     return checkpoint
 

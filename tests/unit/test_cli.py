@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def test_plan_prints_the_table_and_saves(plan_file: Path, capsys: pytest.Capture
     assert plan.cluster.world_size == 2 and plan.batch_size == 16
     assert plan.profile_mode == "estimate" and plan.device == "a100-40gb"
     assert plan.notes["max_blocks"] == 64
+    assert plan.notes["planning_s"] > 0  # what load_plan skips (see tests/unit/test_plan_reuse.py)
     code, out, err = run(
         ["plan", *NET, "--devices", "2", "--batch-size", "16", "--schedule", "GPipe"], capsys
     )
@@ -277,3 +279,88 @@ def test_a_lightning_module_plans_from_its_first_batch_with_its_loss(
     assert saved[1] < saved[0]  # bfloat16 activations
     assert main([*common, "--precision", "int3"]) == 2
     assert "unknown dtype 'int3'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Tensor]]:
+    """A sharded checkpoint as the strategy writes it (one process, after one step) and the model's state then."""
+    import lightning as L
+
+    from examples.tutorial import Net
+    from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+    from tests.distributed.launch import free_port
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    saved = dict(os.environ)  # Lightning sets LOCAL_RANK, MASTER_PORT...: a module fixture outlives the env fixture
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # a process group even for one
+    try:
+        model = Net(hidden=16, layers=2, batch_size=4, num_samples=8)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=AutoPartitionStrategy(num_stages=1, profile="estimate"),
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        trainer.save_checkpoint(folder / "last.ckpt")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+    assert (folder / "last.ckpt").is_dir()
+    return folder / "last.ckpt", {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_consolidate_writes_one_file_load_from_checkpoint_reads(
+    sharded: tuple[Path, dict[str, Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from examples.tutorial import Net
+
+    ckpt, state = sharded
+    one = tmp_path / "model.ckpt"
+    code, out, err = run(["consolidate", str(ckpt), str(one)], capsys)
+    assert code == 0, err
+    assert f"consolidated {ckpt} (4 model entries, 1 optimizer states) into {one}" in out
+    assert one.is_file()
+    model = Net.load_from_checkpoint(one)  # one process, plain Lightning, hyperparameters from the file
+    assert model.hparams["hidden"] == 16
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+    # -o works as the positional OUTPUT does; an existing output needs --force
+    code, _, err = run(["consolidate", str(ckpt), "-o", str(one)], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"output {one} exists; choose another path, or replace it (--force)" in err
+    assert main(["consolidate", str(ckpt), "-o", str(one), "--force"]) == 0
+    assert torch.load(one, weights_only=False)["state_dict"].keys() == state.keys()
+
+
+def test_consolidate_refuses_what_is_not_a_sharded_checkpoint(
+    sharded: tuple[Path, dict[str, Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, _ = sharded
+    a_file = tmp_path / "plain.ckpt"
+    a_file.write_bytes(b"")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ([str(tmp_path / "nope")], "checkpoint " + str(tmp_path / "nope") + " does not exist; give the directory"),
+        ([str(a_file), "x.ckpt"], f"checkpoint {a_file} is a file, not a sharded checkpoint directory"),
+        ([str(empty), "x.ckpt"], f"{empty} is a directory without meta.pt: not a sharded checkpoint; give"),
+        ([str(ckpt), str(tmp_path)], f"output {tmp_path} is a directory; give a file path"),
+        ([str(ckpt)], f"give the output file: `autopart consolidate {ckpt} OUTPUT` (or -o OUTPUT)"),
+        ([str(ckpt), "a.ckpt", "-o", "b.ckpt"], "two outputs given, a.ckpt and -o b.ckpt; give one"),
+        ([], "the following arguments are required: CKPT_DIR; see `autopart consolidate --help`"),
+    ]
+    for args, message in cases:
+        if args and args[0] == str(tmp_path / "nope"):
+            args = [*args, str(tmp_path / "out.ckpt")]
+        code, _, err = run(["consolidate", *args], capsys)
+        assert code == 2, args
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err, err
+    assert not (tmp_path / "out.ckpt").exists() and not Path("x.ckpt").exists()
