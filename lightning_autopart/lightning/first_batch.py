@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
@@ -15,8 +16,15 @@ from torch import nn
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import AutopartError, ConfigError, PlanError
-from lightning_autopart.lightning.hooks import ForwardCall, slice_batch
-from lightning_autopart.plan import Plan, check_compatible, load_plan
+from lightning_autopart.lightning.hooks import ForwardCall
+from lightning_autopart.lightning.ragged import coupled_message, coupled_modules
+from lightning_autopart.lightning.reuse import (
+    LoadedPlan,
+    capture_at_micro_batch,
+    load_for_job,
+    loaded_message,
+)
+from lightning_autopart.plan import Plan, with_planning_time
 from lightning_autopart.profile.loss import LossFn
 from lightning_autopart.runtime.checkpoint import free_elsewhere
 from lightning_autopart.runtime.runner import move_in_place
@@ -98,8 +106,11 @@ def first_batch(trainer: Any, hook: str) -> Any:
 
 
 def check_even_batches(trainer: Any, hook: str, replicas: int) -> None:
-    """Refuse, before any work, loaders whose last batch per replica would be smaller than the others: pipelined
-    shapes are fixed, and a ragged batch would fail only at the end of an epoch."""
+    """Refuse, before any work, loaders whose last batch per replica would be smaller than the others when
+    the pipelined model normalises over the batch in that loop (BatchNorm training, or without running
+    statistics): a smaller batch is padded to the planned shape (see [Note: ragged batches]), which would
+    change its statistics, and the ragged batch would otherwise fail only at the end of an epoch. Other
+    loaders may be ragged."""
     val = trainer.fit_loop.epoch_loop.val_loop
     sources = {
         "training_step": [("train", trainer.fit_loop), ("val", val)],
@@ -107,27 +118,46 @@ def check_even_batches(trainer: Any, hook: str, replicas: int) -> None:
         "test_step": [("test", trainer.test_loop)],
         "predict_step": [("predict", trainer.predict_loop)],
     }[hook]
+    steps = getattr(getattr(trainer, "strategy", None), "_steps", None)  # the partition made in setup
+    module = steps.root() if steps is not None else getattr(trainer, "lightning_module", None)
+    if module is None:
+        return
+    batchless: list[str] = list(getattr(steps, "batchless", []))
+    micro = steps.runner.plan.micro_batch_size if steps is not None else 0
     for name, loop in sources:
-        if not loop._data_source.is_defined():
+        coupled = coupled_modules(module, evaluation=name != "train")
+        if not (coupled or batchless) or not loop._data_source.is_defined():
             continue
         loaders = loop._data_source.dataloader()
         if isinstance(loaders, Mapping):
             loaders = list(loaders.values())
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
-            _check_even(name, loader, replicas)
+            _check_even(name, loader, replicas, coupled, batchless, micro)
 
 
-def _check_even(name: str, loader: Any, replicas: int) -> None:
+def _check_even(
+    name: str, loader: Any, replicas: int, coupled: list[str], batchless: list[str], micro: int
+) -> None:
     batch, dataset = getattr(loader, "batch_size", None), getattr(loader, "dataset", None)
     if not batch or getattr(loader, "drop_last", True) or not isinstance(dataset, Sized):
         return
     per_replica = -(-len(dataset) // replicas)  # Lightning's DistributedSampler pads to equal shards
-    if per_replica % batch:
-        raise ConfigError(
-            f"the {name} loader's last batch per replica holds {per_replica % batch} samples, not {batch} "
-            f"({len(dataset)} samples over {replicas} replica(s), batch_size={batch}); autopart's pipelined "
-            f"shapes are fixed: pass drop_last=True, or make the dataset length a multiple of {batch * replicas}"
-        )
+    last = per_replica % batch
+    if not last or not (coupled or (batchless and micro and last % micro)):
+        return
+    fix = f"pass drop_last=True, or make the dataset length a multiple of {batch * replicas}"
+    why = (
+        coupled_message(coupled, fix)
+        if coupled
+        else f"autopart pads it to the planned shape, but the model's outputs {', '.join(batchless)} have no "
+        f"batch dimension (a loss computed inside the model), so a micro-batch of {last % micro} real samples "
+        f"and {micro - last % micro} padded ones would change them: compute the loss in the step from "
+        f"per-sample outputs (logits), or {fix}"
+    )
+    raise ConfigError(
+        f"the {name} loader's last batch per replica holds {last} samples, not {batch} "
+        f"({len(dataset)} samples over {replicas} replica(s), batch_size={batch}); " + why
+    )
 
 
 def choose_micro_batches(requested: int | None, local_batch: int) -> int | None:
@@ -154,16 +184,22 @@ def plan_for_batch(
     num_nodes: int,
     device: torch.device,
     loss: LossFn | None = None,
-) -> Plan:
+) -> tuple[Plan, CapturedModel | None]:
     """The plan for ``root`` fed batches of ``local_batch`` samples per replica, made on rank 0, sent to all.
 
     ``loss(output, samples)`` is the training loss computed from the model's output, profiled on the last block
-    (see [Note: the loss]). A failure on rank 0 (no plan fits, a mismatched ``load_plan``) is raised on every rank.
+    (see [Note: the loss]). With ``load_plan``, rank 0 neither profiles nor plans: it reads the file and checks
+    it against this job and the model captured at the plan's micro-batch size, the capture the runtime needs
+    anyway; that capture is returned on rank 0 for :func:`capture_for_plan` (None on other ranks, and when
+    planning). A failure on rank 0 (no plan fits, a mismatched ``load_plan``) is raised on every rank.
     """
     result: list[Any] = [None]
+    loaded: LoadedPlan | None = None
     if rank == 0:
         try:
-            result[0] = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device, loss)
+            made = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device, loss)
+            loaded = made if isinstance(made, LoadedPlan) else None
+            result[0] = made.plan if isinstance(made, LoadedPlan) else made
         except Exception as error:  # sent to every rank, then raised everywhere
             result[0] = error
     if dist.is_available() and dist.is_initialized() and world_size > 1:
@@ -171,38 +207,38 @@ def plan_for_batch(
     if isinstance(result[0], BaseException):
         raise result[0]
     plan: Plan = result[0]
-    if plan.world_size != world_size:
-        raise ConfigError(
-            f"the plan uses {plan.world_size} ranks, this job has {world_size}; re-plan or drop load_plan"
-        )
     if rank == 0:
         from lightning_autopart.plan.report import print_plan
 
         print_plan(plan)
+        if loaded is not None:
+            print(loaded_message(loaded), flush=True)
         if settings.save_plan:
             plan.save(settings.save_plan)
-    return plan
+    return plan, loaded.captured if loaded is not None else None
 
 
 def capture_for_plan(
-    plan: Plan, root: nn.Module, call: ForwardCall, local_batch: int, rank: int
+    plan: Plan,
+    root: nn.Module,
+    call: ForwardCall,
+    local_batch: int,
+    rank: int,
+    captured: CapturedModel | None = None,
 ) -> tuple[CapturedModel, list[tuple[str, tuple[int, ...]]], set[int], set[int]]:
     """The model captured at the plan's micro-batch size (the runtime builds this rank's stages from it: export
-    bakes the batch size into reshapes).
+    bakes the batch size into reshapes); ``captured`` when given (rank 0's check of a loaded plan made it).
 
     Returns the capture, the tied parameters (FQN, stages), the ids of the tied parameters whose gradient another
     rank counts in the global norm (a tie counts on its first stage), and the ids of every parameter and buffer
     some block of the model uses.
     """
-    from lightning_autopart.capture import capture
-
-    micro = plan.micro_batch_size
-    args = slice_batch((call.args, call.kwargs), 0, micro, local_batch)
-    captured = capture(root, args, max_blocks=int(plan.notes.get("max_blocks", 64)))
+    if captured is None:
+        captured = capture_at_micro_batch(plan, root, call, local_batch)
     if captured.num_blocks != plan.stages[-1].block_end:
         raise ConfigError(
             f"the plan splits {plan.stages[-1].block_end} blocks, but the model captured at micro-batch size "
-            f"{micro} has {captured.num_blocks}; the plan is for another model: re-plan"
+            f"{plan.micro_batch_size} has {captured.num_blocks}; the plan is for another model: re-plan"
         )
     tied = tied_groups(plan, captured)
     mine = place(plan, rank).stages
@@ -229,7 +265,10 @@ def keep_local(
     """
     optimizers = list(optimizers)
     optimized = {id(q) for o in optimizers for g in o.param_groups for q in g["params"]}
-    outside = [n for n, p in module.named_parameters() if id(p) not in in_blocks and id(p) in optimized]
+    # Meta parameters are other ranks' stages (an earlier split replaced them by new objects): not outside.
+    outside = [
+        n for n, p in module.named_parameters() if id(p) not in in_blocks and id(p) in optimized and not p.is_meta
+    ]
     if outside:
         raise ConfigError(
             f"parameters {', '.join(outside[:5])} are optimized but not used by the pipelined model "
@@ -256,35 +295,24 @@ def _make_plan(
     num_nodes: int,
     device: torch.device,
     loss: LossFn | None = None,
-) -> Plan:
+) -> Plan | LoadedPlan:
+    """Capture, profile and partition ``root`` (the plan records how long that took), or load ``load_plan``."""
     from lightning_autopart.partition import partition
     from lightning_autopart.planner import profile_model
 
     if world_size % num_nodes:
         raise ConfigError(f"world size {world_size} is not a multiple of the {num_nodes} nodes")
-    inputs = (call.args, call.kwargs)
     if settings.load_plan:
-        plan = load_plan(settings.load_plan)
-        max_blocks = int(plan.notes.get("max_blocks", settings.max_blocks))
-        prof = profile_model(root, inputs, profile="estimate", spec=_ESTIMATE_SPEC, max_blocks=max_blocks)
-        check_compatible(
-            plan,
-            fingerprint=prof.fingerprint(),
-            world_size=world_size,
-            batch_size=local_batch * plan.replicas,
-        )
-        return plan
-    if settings.num_stages is not None and settings.num_stages > world_size:
-        raise ConfigError(
-            f"num_stages={settings.num_stages} is more than the {world_size} devices; use at most {world_size}"
-        )
+        return load_for_job(settings.load_plan, root, call, local_batch, world_size)
+    start = time.perf_counter()
+    _check_stages(settings.num_stages, world_size)
     spec = _spec(device, settings.profile)
     cluster = Cluster.from_spec(
         spec, devices=world_size // num_nodes, nodes=num_nodes, device_memory=settings.device_memory
     )
     prof = profile_model(
         root,
-        inputs,
+        (call.args, call.kwargs),
         profile=settings.profile,
         spec=spec,
         optimizer=settings.optimizer,
@@ -326,7 +354,31 @@ def _make_plan(
     if best is None:
         assert failure is not None
         raise failure
-    return dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks})
+    if best.world_size != world_size:  # every candidate divides the world: the planner fills every rank
+        raise ConfigError(
+            f"the planner's plan runs on {best.world_size} of the {world_size} ranks; every rank must hold a "
+            f"stage: pass a num_stages that divides {world_size}"
+        )
+    best = dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks})
+    return with_planning_time(best, time.perf_counter() - start)
+
+
+def _check_stages(num_stages: int | None, world_size: int) -> None:
+    """Refuse a pipeline depth the devices cannot hold: more stages than devices, or a depth that leaves some
+    devices without a stage (every stage runs on the same number of replicas)."""
+    if num_stages is None:
+        return
+    if num_stages > world_size:
+        raise ConfigError(f"num_stages={num_stages} is more than the {world_size} devices; use at most {world_size}")
+    if world_size % num_stages:
+        below = world_size // num_stages * num_stages
+        counts = " or ".join(str(n) for n in (below, below + num_stages) if n)
+        fits = " or ".join(str(s) for s in range(1, world_size + 1) if world_size % s == 0)
+        raise ConfigError(
+            f"num_stages={num_stages} does not divide the {world_size} devices: every stage runs on the same "
+            f"number of replicas, so {world_size % num_stages} device(s) would hold no stage; use a multiple of "
+            f"{num_stages} devices ({counts}), or num_stages={fits}"
+        )
 
 
 def _profile_dtype(precision: str | None) -> str | None:

@@ -13,10 +13,12 @@ import torch
 from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.lightning.log_channel import open_log_channel
+from lightning_autopart.lightning.ragged import batchless_outputs
 from lightning_autopart.lightning.steps import PipelinedSteps
 from lightning_autopart.plan import Plan
+from lightning_autopart.runtime.materialize import Materialized, has_meta_tensors, materialize
 from lightning_autopart.runtime.runner import PipelineRunner
-from lightning_autopart.runtime.topology import build_groups
+from lightning_autopart.runtime.topology import build_groups, place
 
 __all__ = ["PARTITION_ATTRIBUTE", "Partition", "split_module"]
 
@@ -38,6 +40,8 @@ class Partition:
     counted_elsewhere: set[int]
     pp_group: Any
     world_size: int
+    #: What materialising a model built on the meta device did on this rank (None: it was not on meta).
+    materialized: Materialized | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # process groups and schedules do not copy; a copied module re-plans
@@ -57,13 +61,16 @@ def split_module(
     world_size: int,
     num_nodes: int,
     device: torch.device,
+    init_rng: torch.Tensor | None = None,
 ) -> Partition:
     """Plan ``module`` (a LightningModule) for ``batch`` of the loop running ``hook``, then build this rank's
-    stages; the model the step calls first is pipelined, and only fitting prices the step's loss."""
+    stages; the model the step calls first is pipelined, and only fitting prices the step's loss. A model built
+    on the meta device is materialised here, this rank's share only, from the random state ``init_rng`` (see
+    [Note: meta init] in :mod:`lightning_autopart.runtime.materialize`)."""
     call = find_forward(module, lambda: getattr(module, hook)(batch, 0))
     root = module.get_submodule(call.name) if call.name else module
     size = batch_size_of(batch)
-    plan = plan_for_batch(
+    plan, checked = plan_for_batch(
         settings,
         root,
         call,
@@ -74,10 +81,25 @@ def split_module(
         device=device,
         loss=step_loss(module, call.name, batch, size) if fitting else None,
     )
-    captured, tied, elsewhere, in_blocks = capture_for_plan(plan, root, call, size, rank)
+    captured, tied, elsewhere, in_blocks = capture_for_plan(plan, root, call, size, rank, checked)
+    materialized = None
+    if has_meta_tensors(module):  # built on meta: allocate and initialise only this rank's share
+        materialized = materialize(module, _kept(module, plan, captured, rank, in_blocks), init_rng)
     groups = build_groups(plan, tied, device.type)
     runner = PipelineRunner(plan, captured, rank, device, tied=tied, groups=groups)
     channel = open_log_channel(plan, rank, device)
     steps = PipelinedSteps(module, call.name, runner, channel, device, captured.constant_inputs)
+    steps.batchless = batchless_outputs(captured.cuts[-1], plan.micro_batch_size)
     pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
-    return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size)
+    return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size, materialized)
+
+
+def _kept(module: Any, plan: Plan, captured: Any, rank: int, in_blocks: set[int]) -> set[int]:
+    """Ids of the tensors this rank keeps: its stages' and every tensor outside the pipelined blocks."""
+    root = captured.module
+    stages = [plan.stages[s] for s in place(plan, rank).stages]
+    blocks = [b for stage in stages for b in captured.blocks[stage.block_start : stage.block_end]]
+    mine = {id(root.get_parameter(f)) for b in blocks for f in b.params}
+    mine |= {id(root.get_buffer(f)) for b in blocks for f in b.buffers}
+    outside = {id(t) for t in (*module.parameters(), *module.buffers()) if id(t) not in in_blocks}
+    return mine | outside

@@ -39,9 +39,12 @@ from lightning_autopart.lightning.first_batch import (
     keep_local,
     optimizer_kind,
 )
+from lightning_autopart.lightning.meta_init import MetaInit
 from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, split_module
 from lightning_autopart.lightning.step_hooks import StepHooks
+from lightning_autopart.lightning.summary import summarize_whole_model
 from lightning_autopart.plan import SCHEDULES, Plan
+from lightning_autopart.runtime.materialize import check_initialisable, has_meta_tensors
 from lightning_autopart.runtime.runner import PipelineRunner, move_in_place
 
 if TYPE_CHECKING:
@@ -58,7 +61,7 @@ _STEP_HOOKS = {
 }
 
 
-class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
+class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrategy):
     """Trains an unchanged LightningModule as a pipeline x data-parallel job planned from its first batch.
 
     Every stage of one pipeline sees the same batch: the data loader's batch is one pipeline's share, so the
@@ -70,11 +73,13 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
 
     ``validate``, ``test`` and ``predict`` run forward-only on the same plan, after ``fit`` or on a fresh
     Trainer (which plans from that loop's first batch). Checkpoints hold every stage's model and optimizer
-    state by the original parameter names (see ``checkpoint``), and resume under any plan.
+    state by the original parameter names (see ``checkpoint``), and resume under any plan. A model built on the
+    meta device (``init_module(empty_init=True)``, ``configure_model``) is materialised stage by stage: each rank
+    allocates and initialises only its own.
 
     Launch with ``python train.py`` (Lightning starts the other processes) or ``torchrun``; spawning from a
-    notebook is refused. Only automatic optimization is supported; every batch must have the planned size
-    (``drop_last=True``), validation included.
+    notebook is refused. Only automatic optimization is supported; a smaller last batch (``drop_last=False``)
+    is padded to the planned size and weighted by its real samples, unless BatchNorm trains on it (ragged.py).
 
     Args:
         num_stages: Pipeline stages (None: the planner decides).
@@ -144,6 +149,7 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
         self._params: list[nn.Parameter] = []
         self._stash: list[Tensor | None] = []
         self._checkpoints: StageCheckpoints | None = None
+        self._init_rng: Tensor | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -252,6 +258,7 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
         if lm.example_input_array is not None:
             self._hidden_example = lm.example_input_array
             lm.example_input_array = None
+        summarize_whole_model(trainer, self._hidden_example)  # the summary runs it on meta copies instead
         runner = self._part.steps.runner
         self._checkpoints.writes_model = runner.placement.replica == 0
         self._params = keep_local(
@@ -286,11 +293,12 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
     def _partition(self, trainer: pl.Trainer) -> Partition:
         """Plan from the running loop's first batch and build this rank's stages."""
         lm = self._lm
-        if any(t.device.type == "meta" for t in (*lm.parameters(), *lm.buffers())):
-            raise ConfigError(
-                "the model has tensors on the meta device; autopart cannot plan or train it yet: "
-                "build it on the CPU (or load its weights) before calling the Trainer"
-            )
+        on_meta = has_meta_tensors(lm)
+        if on_meta:  # planned on meta, by estimate; each rank then initialises only its share
+            check_initialisable(lm)
+            if self.profile == "measure" and not self.load_plan:
+                rank_zero_info("autopart: the model is on the meta device: profiling by estimate")
+        init_rng = self._init_rng if self._init_rng is not None else torch.random.get_rng_state()
         hook = _STEP_HOOKS.get(str(trainer.state.fn), "training_step")
         home = next((p.device for p in lm.parameters()), torch.device("cpu"))
         batch = self.precision_plugin.convert_input(self.batch_to_device(first_batch(trainer, hook), device=home))
@@ -299,7 +307,7 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
             self.micro_batches,
             self.schedule,
             self.device_memory,
-            self.profile,
+            "estimate" if on_meta else self.profile,
             self.load_plan,
             self.save_plan,
             optimizer=optimizer_kind(self.optimizers),
@@ -316,6 +324,7 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
                 world_size=self.world_size,
                 num_nodes=self.num_nodes,
                 device=self.root_device,
+                init_rng=init_rng,
             )
 
     def _restore_example(self) -> None:
@@ -345,9 +354,10 @@ class AutoPartitionStrategy(StepHooks, CheckpointHooks, ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
-        # Logged values are equal along a pipeline (replayed), so a WORLD mean is the data-parallel mean. One
-        # process has nothing to reduce (and plain Lightning's single device skips the collective too).
-        if isinstance(tensor, Tensor) and self.world_size > 1:
+        # Over this stage's replicas, as DDP over its ranks (see [Note: collectives] in step_hooks.py): logged
+        # values are equal along a pipeline (replayed). One replica has nothing to reduce.
+        group = self._collective_group(group)
+        if isinstance(tensor, Tensor) and group is not None:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
