@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_autopart.errors import CheckpointError, ConfigError
 from lightning_autopart.runtime.checkpoint import (
+    METADATA_FILE,
     held_state,
     load_optimizer_by_name,
     load_sharded,
@@ -74,7 +75,15 @@ class StageCheckpoints:
 
     def save(self, checkpoint: dict[str, Any], path: Path, write_file: Any) -> None:
         """Write ``checkpoint`` at ``path`` atomically; every rank calls it. ``write_file(dict, path)`` writes a
-        single file (the strategy's CheckpointIO)."""
+        single file (the strategy's CheckpointIO).
+
+        Whatever is at ``path`` is replaced (a file, or a sharded checkpoint directory), except a directory that
+        is not a checkpoint: it is refused, as Lightning's own strategies do, not deleted."""
+        if path.is_dir() and not (path / METADATA_FILE).is_file() and any(path.iterdir()):
+            raise CheckpointError(
+                f"cannot save a checkpoint at {path}: it is a directory that is not a checkpoint (no "
+                f"{METADATA_FILE}), and saving would replace it with everything in it; choose another path"
+            )
         if self.mode == "sharded":
             save_sharded(checkpoint, path, self.rank)
             return

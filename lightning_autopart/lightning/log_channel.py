@@ -13,7 +13,9 @@ ends. The message names its layout by index; a layout never seen (the first step
 flagged and a pickled broadcast of the records (tensors copied to the CPU) follows, once. A step kind that
 keeps making new layouts (names that change every step) starts its list over past ``MAX_LAYOUTS``. A logged
 torchmetrics Metric travels as its step value and its FQN (in the layout), and the notes of updated metrics
-travel in the layout alone; each member then logs its own copy of the metric (see [Note: metrics]).
+travel in the layout alone; each member then logs its own copy of the metric (see [Note: metrics]). The host
+part also carries the sender's ``trainer.should_stop``: a step that sets it (on the last stage, after the model
+call) stops every stage of the pipeline after that step, as it stops the one process of plain Lightning.
 """
 
 from __future__ import annotations
@@ -75,12 +77,21 @@ def _slots(records: list[LogRecord]) -> list[_Slot]:
 _NUMBERS = ("int", "float")
 
 
+#: Entries of the host part before the numbers: the layout index and the sender's ``should_stop``.
+_HEADER = 2
+
+
 def _widths(layouts: list[list[_Slot]]) -> tuple[int, int]:
-    """Sizes of the host part (layout index, numbers) and of the device part (loss, tensors) of a message that
-    fits every one of ``layouts``."""
+    """Sizes of the host part (header, numbers) and of the device part (loss, tensors) of a message that fits
+    every one of ``layouts``."""
     host = max((sum(1 for s in layout if s.kind in _NUMBERS) for layout in layouts), default=0)
     values = max((sum(s.numel for s in layout if s.kind == "tensor") for layout in layouts), default=0)
-    return 1 + host, 1 + values
+    return _HEADER + host, 1 + values
+
+
+def _trainer(module: Any) -> Any:
+    """The Trainer of a LightningModule ``module`` (None for anything else, or before it has one)."""
+    return getattr(module, "_trainer", None)
 
 
 class LogChannel:
@@ -144,18 +155,22 @@ class LogChannel:
         of the metric, and notes of updated metrics are applied to the copies (see [Note: metrics]); without
         it, notes are dropped.
         """
-        value, logs = self._share(kind, loss, records)
+        trainer = _trainer(module)
+        value, logs, stop = self._share(kind, loss, records, bool(getattr(trainer, "should_stop", False)))
+        if stop and trainer is not None:
+            trainer.should_stop = True
         if module is None:
             return value, logs if all(r.states is None for r in logs) else [r for r in logs if r.states is None]
         return value, resolve_metrics(module, logs, updated_here=self.is_src)
 
     def _share(
-        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord]
-    ) -> tuple[torch.Tensor, list[LogRecord]]:
+        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord], stop: bool = False
+    ) -> tuple[torch.Tensor, list[LogRecord], bool]:
+        """The sender's loss, records and ``should_stop`` (``stop``, read on the sender only)."""
         if self.group is None:
-            return (torch.tensor(math.nan, device=self.device) if loss is None else loss), records
+            return (torch.tensor(math.nan, device=self.device) if loss is None else loss), records, stop
         if self.is_src:
-            return self._send(kind, loss, records)
+            return (*self._send(kind, loss, records, stop), stop)
         self.expect(kind)
         assert self._posted is not None and self._posted[0] == kind, (
             "expect() was called for another step kind"
@@ -165,8 +180,9 @@ class LogChannel:
         for work in works:
             work.wait()
         numbers = host.numpy()  # host memory: read without a device sync
+        stop = bool(numbers[1] > 0)
         if numbers[0] >= 0:
-            return values[0], _unpack(self._layouts[kind][int(numbers[0])], numbers[1:], values[1:])
+            return values[0], _unpack(self._layouts[kind][int(numbers[0])], numbers[_HEADER:], values[1:]), stop
         box: list[Any] = [None]
         dist.broadcast_object_list(box, self.src, group=self.group)
         received: list[LogRecord] = box[0]
@@ -174,10 +190,10 @@ class LogChannel:
         for r in received:
             if isinstance(r.value, torch.Tensor):
                 r.value = r.value.to(self.device)
-        return values[0], received
+        return values[0], received, stop
 
     def _send(
-        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord]
+        self, kind: str, loss: torch.Tensor | None, records: list[LogRecord], stop: bool = False
     ) -> tuple[torch.Tensor, list[LogRecord]]:
         self.wait()
         slots = _slots(records)
@@ -185,12 +201,13 @@ class LogChannel:
         same = slots in known
         whole, host, values = self._buffers(kind)
         host[0] = float(known.index(slots)) if same else -1.0
+        host[1] = float(stop)
         value = torch.tensor(math.nan, device=self.device) if loss is None else loss.detach()
         values[0] = value
         if same:
             numbers = [float(r.value) for r, s in zip(records, slots, strict=True) if s.kind in _NUMBERS]
             if numbers:
-                host[1 : 1 + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
+                host[_HEADER : _HEADER + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
             tensors = [r.value.reshape(-1) for r, s in zip(records, slots, strict=True) if s.kind == "tensor"]
             if tensors:
                 flat = torch.cat([t.to(device=values.device, dtype=torch.float64) for t in tensors])

@@ -1,11 +1,30 @@
 """The strategy's step methods: Lightning's training, evaluation and predict steps and its backward, run through
-this rank's share of the pipeline (see :class:`~lightning_autopart.lightning.steps.PipelinedSteps`)."""
+this rank's share of the pipeline (see :class:`~lightning_autopart.lightning.steps.PipelinedSteps`), and
+Lightning's collectives over the ranks a plain DDP job would have.
+
+[Note: collectives] A DDP rank is a data-parallel replica; under autopart every stage of a pipeline sees the
+replica's batch and logs the same (replayed) values. So ``reduce`` and ``all_gather`` run over the
+data-parallel replicas of this rank's stage: ``self.log(..., sync_dist=True)`` with ``reduce_fx="sum"`` adds
+the replicas' values once each, not once per stage, and ``self.all_gather(x)`` has one entry per replica, as
+under DDP with as many processes. With one replica neither runs a collective (``all_gather`` returns ``x``, as
+``LightningModule.all_gather`` documents for a world of one). In a step, ``all_gather`` runs on the stage that
+calls it, among that stage's replicas: the last stage runs the step once per micro-batch, so it gathers
+micro-batch values. Decisions every rank must share (``reduce_boolean_decision``: checkpoints, early
+stopping), ``barrier`` and ``broadcast`` use every rank.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+import torch
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import Tensor
 
 from lightning_autopart.errors import ConfigError
@@ -27,6 +46,7 @@ class StepHooks:
     precision_plugin: Any
     world_size: int
     _lm: Any
+    root_device: Any
 
     @property
     def _steps(self) -> PipelinedSteps | None:
@@ -37,6 +57,50 @@ class StepHooks:
         def pre_backward(self, closure_loss: Tensor) -> None: ...
 
         def post_backward(self, closure_loss: Tensor) -> None: ...
+
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        """Lightning's ``sync_batchnorm`` plugin slot: always empty (see the setter)."""
+        return None
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        if plugin is not None:
+            raise ConfigError(
+                f"Trainer(sync_batchnorm=True) (or a {type(plugin).__name__} plugin) is not supported by "
+                "AutoPartitionStrategy: BatchNorm statistics are computed per micro-batch on the stage that holds "
+                "the layer and are not synchronised across replicas; drop sync_batchnorm, or use the 'ddp' strategy"
+            )
+
+    def _collective_group(self, group: Any | None) -> Any | None:
+        """The group of ``reduce`` and ``all_gather`` (see [Note: collectives]): ``group`` if given, else this
+        stage's data-parallel group; None where there is nothing to collect (one replica, one process, or no
+        split yet: the planner runs the user's step on rank 0 alone). The default group (``WORLD``, which
+        ``LightningModule.all_gather`` passes when given none) counts as not given."""
+        if group is not None and group is not _group.WORLD:
+            return group
+        if not _distributed_is_initialized() or self.world_size == 1 or self._part is None:
+            return None
+        if self._part.plan.replicas == 1:
+            return None
+        return self._part.steps.runner.dp_group
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """One entry per data-parallel replica, stacked (see [Note: collectives]); with one replica, ``tensor``
+        itself (as ``LightningModule.all_gather`` documents for a world of one)."""
+        chosen = self._collective_group(group)
+        if chosen is None:
+            return tensor
+        return _all_gather_ddp_if_available(tensor, group=chosen, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """``all`` (or any, with ``all=False``) of every rank's decision: every stage must stop, or save, alike."""
+        if not _distributed_is_initialized() or self.world_size == 1:
+            return decision
+        votes = _sync_ddp_if_available(
+            torch.tensor(int(decision), device=self.root_device), _group.WORLD, reduce_op="sum"
+        )
+        return bool(votes == self.world_size) if all else bool(votes)
 
     def _loss_scale(self) -> Any:
         """The precision plugin's gradient scaler (16-mixed), applied to each micro-batch's loss before its backward,

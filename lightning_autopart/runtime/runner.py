@@ -138,6 +138,11 @@ class PipelineRunner:
         return self._pp_group
 
     @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's stage replicas (None with one replica)."""
+        return self._dp_group
+
+    @property
     def is_first(self) -> bool:
         """Whether this rank holds the first stage (``step`` needs its inputs)."""
         return self.placement.is_first
