@@ -7,7 +7,6 @@ Rank r writes ``OUT/{MODE}_rank{r}.pt`` = {"params", "plan", "replicas"}.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from tests.distributed.job import end_job
 from tests.distributed.strategy_cases import LOCAL_BATCH, STEPS, dataset, make_lit
 
 __all__: list[str] = []
@@ -53,10 +53,7 @@ def main() -> None:
         "replicas": strategy.plan.replicas,
     }
     torch.save(result, out / f"{mode}_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Usage: ``python -m torch.distributed.run --nproc_per_node=4 tests/distributed/_c
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.log_channel import open_log_channel
+from tests.distributed.job import end_job
 from tests.pipeline_plans import make_plan
 
 __all__ = ["steps"]
@@ -56,9 +56,7 @@ def main() -> None:
             got.append(channel.share(kind, None, []))
     channel.wait()
     torch.save({"replica": replica, "got": got}, out / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    end_job()
 
 
 if __name__ == "__main__":

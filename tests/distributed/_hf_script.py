@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.runtime.topology import place
+from tests.distributed.job import end_job
 from tests.hf_cases import fit
 
 __all__: list[str] = []
@@ -101,10 +102,7 @@ def main() -> None:
         torch.save(results, out / f"rank{rank}-from{first}.pt")
         if not everyone_finished(i, devices):
             os._exit(1)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":

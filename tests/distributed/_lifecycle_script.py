@@ -7,7 +7,6 @@ Usage: ``python tests/distributed/_lifecycle_script.py ACTIONS OUT DEVICES``; ra
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from tests.distributed.job import end_job
 from tests.distributed.lifecycle_cases import run_action
 
 __all__: list[str] = []
@@ -41,10 +41,7 @@ def main() -> None:
         results[i] = run_action(action, out, strategy, devices)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(results, out / f"rank{rank}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)
+    end_job()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ Rank r writes ``OUT/{HOW}{r}.pt`` per fit.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from tests.distributed.job import end_job
 
 __all__: list[str] = []
 
@@ -122,10 +122,7 @@ def main() -> None:
     out, devices = Path(sys.argv[2]), int(sys.argv[3])
     for how in sys.argv[1].split(","):
         fit(how, out, devices)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)
+    end_job()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from tests.census import StepProbe
+from tests.distributed.job import end_job
 
 __all__ = ["LOCAL_BATCH", "MAX_EPOCHS", "MetricLit", "fit_case"]
 
@@ -201,10 +201,7 @@ def main() -> None:
         if rank < 0 and dist.is_initialized():
             rank = dist.get_rank()
         torch.save(results, out / f"rank{max(rank, 0)}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Usage: ``python -m torch.distributed.run --nproc_per_node=3 tests/distributed/_o
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.runtime.gradients import agree_on_overflow
+from tests.distributed.job import end_job
 
 __all__: list[str] = []
 
@@ -37,9 +37,7 @@ def main() -> None:
     scaler.step(optimizer)
     scaler.update()
     torch.save({"before": before, "after": after, "scale": scaler.get_scale()}, Path(sys.argv[1]) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    end_job()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ load must profile and plan nothing, and capture once per rank). Rank r writes ``
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import lightning_autopart.capture
 import lightning_autopart.partition
 import lightning_autopart.planner
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from tests.distributed.job import end_job
 from tests.distributed.strategy_cases import fit
 
 __all__: list[str] = []
@@ -60,10 +60,7 @@ def main() -> None:
     assert strategy.plan is not None
     result = {"losses": losses, "calls": dict(CALLS), "plan": strategy.plan.to_json()}
     torch.save(result, out / f"{mode}_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":

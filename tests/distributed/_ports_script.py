@@ -8,7 +8,6 @@ processes) or under ``torchrun``; rank r writes ``OUT/rank{r}.pt`` = {action ind
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from tests.distributed.job import end_job
 from tests.distributed.ports_cases import run_action
 
 __all__: list[str] = []
@@ -48,10 +48,7 @@ def main() -> None:
         if rank < 0 and dist.is_initialized():
             rank = dist.get_rank()
         torch.save(results, out / f"rank{max(rank, 0)}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ tests import :func:`run_case` to run a case in one plain process.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from tests.distributed.job import end_job
 from tests.distributed.strategy_cases import dataset
 from tests.models import make
 
@@ -159,10 +159,7 @@ def main() -> None:
         results[i] = run_case(case, strategy, devices)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(results, out / f"rank{rank}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)
+    end_job()
 
 
 if __name__ == "__main__":

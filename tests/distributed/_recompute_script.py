@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.capture import capture
 from lightning_autopart.runtime.runner import PipelineRunner
+from tests.distributed.job import end_job
 from tests.distributed.recompute_cases import (
     BUDGET,
     TallLit,
@@ -120,9 +120,7 @@ def main() -> None:
         runner_main(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         strategy_main(Path(sys.argv[2]), int(sys.argv[3]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ processes) or under ``torchrun``. Rank r writes ``OUT/rank{r}.pt`` = {case index
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.runtime.runner import PipelineRunner
 from tests.census import StepProbe
+from tests.distributed.job import end_job
 from tests.distributed.strategy_cases import STEPS, fit
 
 __all__: list[str] = []
@@ -78,10 +78,7 @@ def main() -> None:
         if rank < 0 and dist.is_initialized():
             rank = dist.get_rank()
         torch.save(results, out / f"rank{max(rank, 0)}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # skip the slow interpreter teardown of torch
+    end_job()
 
 
 if __name__ == "__main__":
