@@ -239,6 +239,17 @@ class LogChannel:
             work.wait()
         self._inflight = ([], ())
 
+    @property
+    def idle(self) -> bool:
+        """Whether no receive is posted and no message is in flight."""
+        return self._posted is None and not self._inflight[0]
+
+    def abandon(self) -> None:
+        """Forget the posted receive and the message in flight without waiting: after a failure their peer may
+        never answer (gloo cannot cancel them; see [Note: failing ranks] in ``faults.py``)."""
+        self._posted = None
+        self._inflight = ([], ())
+
 
 def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[LogRecord]:
     out = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
@@ -84,6 +85,19 @@ class StepHooks:
         if self._part.plan.replicas == 1:
             return None
         return self._part.steps.runner.dp_group
+
+    def barrier(self, name: str | None = None) -> None:
+        """Every rank of the job (Lightning's barriers are job-wide)."""
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from global rank ``src`` to every rank of the job."""
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """One entry per data-parallel replica, stacked (see [Note: collectives]); with one replica, ``tensor``

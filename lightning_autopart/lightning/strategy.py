@@ -6,16 +6,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -24,7 +21,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
@@ -32,6 +28,7 @@ from typing_extensions import override
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.checkpoints import CHECKPOINT_MODES, CheckpointHooks, StageCheckpoints
+from lightning_autopart.lightning.faults import FaultGuard
 from lightning_autopart.lightning.first_batch import (
     PlanSettings,
     check_even_batches,
@@ -39,7 +36,9 @@ from lightning_autopart.lightning.first_batch import (
     keep_local,
     optimizer_kind,
 )
+from lightning_autopart.lightning.input_checks import check_stages
 from lightning_autopart.lightning.meta_init import MetaInit
+from lightning_autopart.lightning.preemption import Preemption, SignalNames
 from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, split_module
 from lightning_autopart.lightning.step_hooks import StepHooks
 from lightning_autopart.lightning.summary import summarize_whole_model
@@ -91,9 +90,13 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         load_plan: Path of a plan to use instead of planning (checked against the model and world size).
         save_plan: Path where rank 0 writes the plan.
         process_group_backend: "gloo" or "nccl" (None: by device).
-        timeout: Timeout of collectives; a failing rank makes the others exit after it.
+        timeout: Timeout of collectives: the longest a rank waits for a frozen peer. A rank that raises or is
+            killed stops every rank within seconds whatever the timeout ([Note: failing ranks], faults.py).
         checkpoint: "sharded" (every rank writes its stages into a ``torch.distributed.checkpoint`` directory;
             ``autopart consolidate`` makes it one file) or "full" (rank 0 writes one file plain Lightning loads).
+        preempt_signals: Signals that stop a fit at the next step boundary, with a checkpoint, exit code 128 +
+            signum (docs/guide.md, Pre-emption); ``()``: Lightning's handling.
+        preempt_checkpoint: Its path (None: ``<default_root_dir>/preempted.ckpt``; SLURM auto-requeue: hpc_ckpt).
     """
 
     strategy_name = "autopart"
@@ -116,6 +119,8 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         checkpoint: str = "sharded",
+        preempt_signals: SignalNames = ("SIGTERM",),
+        preempt_checkpoint: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -143,6 +148,8 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.checkpoint = checkpoint
+        self._preemption = Preemption(preempt_signals, preempt_checkpoint)
+        self._faults = FaultGuard()  # [Note: failing ranks]
         self.num_nodes = 1
         self._hidden_example: Any = None
         self._part: Partition | None = None
@@ -216,6 +223,8 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        if not self.load_plan:  # before the rendezvous: every rank refuses alike, even with a peer missing
+            check_stages(self.num_stages, self.world_size)
         self._process_group_backend = (
             self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         )
@@ -224,6 +233,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        self._faults.arm(self.global_rank, self.world_size, self._timeout)
 
     def set_world_ranks(self) -> None:
         """Ranks and world size from the cluster environment (as DDP does)."""
@@ -270,6 +280,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             # Clipping by norm needs the norm over the whole model, not over this rank's stage.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             self._part.steps.scale = self._loss_scale()
+            self._preemption.setup(trainer, self.cluster_environment)  # [Note: pre-emption]
 
     @override
     def model_to_device(self) -> None:
@@ -338,17 +349,19 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         super().on_train_start()
 
     @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._check_losses()
 
     @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._check_losses()
+
+    def _check_losses(self) -> None:
+        """Read the non-finite loss check's window outside any step (see [Note: non-finite loss])."""
+        if self._steps is not None and self._lm.trainer.state.fn == TrainerFn.FITTING:
+            self._steps.losses.check(scaled=self._steps.scale is not None)
 
     @override
     def reduce(
@@ -360,6 +373,13 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         if isinstance(tensor, Tensor) and group is not None:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed fit: report it to the other ranks (or say which rank failed first), abandon pending
+        messages, abort the process groups, make sure this process exits ([Note: failing ranks], faults.py)."""
+        super().on_exception(exception)
+        self._faults.on_exception(exception, self._part)
 
     @override
     def teardown(self) -> None:
