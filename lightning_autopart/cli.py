@@ -331,7 +331,7 @@ def _build_model(spec: Namespace, *, meta: bool) -> nn.Module:
                 f"cannot build the model {spec.class_path}: {type(cause).__name__}: {cause}"
             ) from error
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"--model {spec.class_path} did not build an nn.Module")
+        raise ConfigError(f"--model {spec.class_path} built a {type(model).__name__}; give a torch.nn.Module class")
     return model
 
 

@@ -187,8 +187,9 @@ def device_spec(name: str, **overrides: float | int) -> DeviceSpec:
     key = _ALIASES.get(key, key)
     if key not in _SPECS:
         raise ConfigError(
-            f"unknown device spec {name!r}; known specs: {', '.join(device_spec_names())} "
-            "(or describe the device with --device-memory and the bandwidth options)"
+            f"unknown device spec {name!r}; known specs: {', '.join(device_spec_names())}; use the closest "
+            "known spec and give the memory per device (CLI: --device-spec h200-141gb --device-memory 192GB; "
+            "Python: device_spec('h200-141gb', memory_bytes=...))"
         )
     spec = _SPECS[key]
     return replace(spec, **overrides) if overrides else spec  # type: ignore[arg-type]

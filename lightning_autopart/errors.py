@@ -12,6 +12,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "ConfigError",
+    "NonFiniteLossError",
     "PlanError",
     "PlanFileError",
     "PlanMismatchError",
@@ -54,3 +55,8 @@ class PlanMismatchError(PlanFileError):
 
 class CheckpointError(AutopartError):
     """A checkpoint cannot be written or read for this model: a missing entry, another model's shapes, ..."""
+
+
+class NonFiniteLossError(AutopartError, FloatingPointError):
+    """The training loss became NaN or infinite; the message names the first such step, the stage and rank that
+    computed it, and the fix (see [Note: non-finite loss] in ``lightning/finite.py``)."""

@@ -319,7 +319,8 @@ def forward_message(
     if any(t.is_meta for t in tensors):
         text += (
             ". On the meta device forward cannot run data-dependent code (such as `if x.sum() > 0`): capture "
-            "with real (non-meta) example inputs, or use `--profile measure`"
+            "with real (non-meta) example inputs (`autopart plan --profile measure`; under the strategy, build the "
+            "model outside init_module(empty_init=True) and configure_model), or keep such values tensors"
         )
     else:
         text += ". Check that example_inputs match what forward expects (a Tensor, a tuple of positional "

@@ -17,6 +17,7 @@ from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import AutopartError, ConfigError, PlanError
 from lightning_autopart.lightning.hooks import ForwardCall
+from lightning_autopart.lightning.input_checks import check_stages, empty_loader_message
 from lightning_autopart.lightning.ragged import coupled_message, coupled_modules
 from lightning_autopart.lightning.reuse import (
     LoadedPlan,
@@ -94,15 +95,25 @@ def first_batch(trainer: Any, hook: str) -> Any:
         loaders = next(iter(loaders.values()), None)
     elif isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
+    name, call = _LOOPS[hook]
     if loaders is None:
-        raise ConfigError(f"autopart plans from the first batch of the {hook} loop, but it has no dataloader")
+        raise ConfigError(
+            f"autopart plans from the first batch of the {name} loop, but it has no dataloader; pass one to "
+            f"trainer.{call}(...) or define {name}_dataloader()"
+        )
     try:
         return next(iter(loaders))
     except StopIteration:
-        raise ConfigError(
-            f"the dataloader of the {hook} loop yields no batch: autopart plans from the first batch; give it "
-            "data (check the dataset's length and batch_size with drop_last=True)"
-        ) from None
+        raise ConfigError(empty_loader_message(name, loaders)) from None
+
+
+#: Each step hook's loop as users name it: its loader's name ("train": ``train_dataloader``) and Trainer method.
+_LOOPS = {
+    "training_step": ("train", "fit"),
+    "validation_step": ("val", "validate"),
+    "test_step": ("test", "test"),
+    "predict_step": ("predict", "predict"),
+}
 
 
 def check_even_batches(trainer: Any, hook: str, replicas: int) -> None:
@@ -301,11 +312,14 @@ def _make_plan(
     from lightning_autopart.planner import profile_model
 
     if world_size % num_nodes:
-        raise ConfigError(f"world size {world_size} is not a multiple of the {num_nodes} nodes")
+        raise ConfigError(
+            f"world size {world_size} is not a multiple of the {num_nodes} nodes; start the same number of "
+            "processes (devices) on every node"
+        )
     if settings.load_plan:
         return load_for_job(settings.load_plan, root, call, local_batch, world_size)
     start = time.perf_counter()
-    _check_stages(settings.num_stages, world_size)
+    check_stages(settings.num_stages, world_size)
     spec = _spec(device, settings.profile)
     cluster = Cluster.from_spec(
         spec, devices=world_size // num_nodes, nodes=num_nodes, device_memory=settings.device_memory
@@ -361,24 +375,6 @@ def _make_plan(
         )
     best = dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks})
     return with_planning_time(best, time.perf_counter() - start)
-
-
-def _check_stages(num_stages: int | None, world_size: int) -> None:
-    """Refuse a pipeline depth the devices cannot hold: more stages than devices, or a depth that leaves some
-    devices without a stage (every stage runs on the same number of replicas)."""
-    if num_stages is None:
-        return
-    if num_stages > world_size:
-        raise ConfigError(f"num_stages={num_stages} is more than the {world_size} devices; use at most {world_size}")
-    if world_size % num_stages:
-        below = world_size // num_stages * num_stages
-        counts = " or ".join(str(n) for n in (below, below + num_stages) if n)
-        fits = " or ".join(str(s) for s in range(1, world_size + 1) if world_size % s == 0)
-        raise ConfigError(
-            f"num_stages={num_stages} does not divide the {world_size} devices: every stage runs on the same "
-            f"number of replicas, so {world_size % num_stages} device(s) would hold no stage; use a multiple of "
-            f"{num_stages} devices ({counts}), or num_stages={fits}"
-        )
 
 
 def _profile_dtype(precision: str | None) -> str | None:

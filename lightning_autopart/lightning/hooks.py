@@ -125,7 +125,11 @@ def batch_size_of(batch: Any) -> int:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
-    raise ConfigError("the batch holds no tensor with a batch dimension; autopart cannot split it")
+    raise ConfigError(
+        f"the batch ({type(batch).__name__}) holds no tensor with a batch dimension, and autopart splits batches "
+        "into micro-batches along the first dimension of their tensors: make the loader yield tensors (e.g. "
+        "(x, y) with x of shape (batch, ...))"
+    )
 
 
 def slice_batch(batch: Any, lo: int, hi: int, size: int) -> Any:

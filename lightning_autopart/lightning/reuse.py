@@ -57,11 +57,11 @@ def load_for_job(
     start = time.perf_counter()
     plan = load_plan(path)
     try:
-        check_compatible(plan, world_size=world_size)
-        check_every_rank(plan)
+        check_compatible(plan, world_size=world_size, loading=True)
+        check_every_rank(plan, loading=True)
         _check_local_batch(plan, local_batch)
         captured = capture_at_micro_batch(plan, root, call, local_batch)
-        check_compatible(plan, fingerprint=capture_fingerprint(captured))
+        check_compatible(plan, fingerprint=capture_fingerprint(captured), loading=True)
     except PlanMismatchError as error:
         raise PlanMismatchError(f"load_plan {path}: {error}") from None
     return LoadedPlan(path, plan, captured, time.perf_counter() - start)

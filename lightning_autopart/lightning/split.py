@@ -12,6 +12,7 @@ import torch
 
 from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.input_checks import check_trainable
 from lightning_autopart.lightning.log_channel import open_log_channel
 from lightning_autopart.lightning.ragged import batchless_outputs
 from lightning_autopart.lightning.steps import PipelinedSteps
@@ -69,6 +70,8 @@ def split_module(
     [Note: meta init] in :mod:`lightning_autopart.runtime.materialize`)."""
     call = find_forward(module, lambda: getattr(module, hook)(batch, 0))
     root = module.get_submodule(call.name) if call.name else module
+    if fitting:  # every rank refuses alike, before any capture or profile
+        check_trainable(root, call.name, module)
     size = batch_size_of(batch)
     plan, checked = plan_for_batch(
         settings,

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.lightning.finite import LossCheck
 from lightning_autopart.lightning.hooks import (
     LogRecord,
     batch_range,
@@ -74,6 +75,9 @@ class PipelinedSteps:
         self.scale: Callable[[Tensor], Tensor] | None = None
         #: The model's floating outputs without a batch dimension (see ``ragged.batchless_outputs``).
         self.batchless: list[str] = []
+        #: Finds a NaN or infinite training loss without a host sync per step (see [Note: non-finite loss]).
+        plan = runner.plan
+        self.losses = LossCheck(plan.num_stages - 1, channel.src, plan.world_size, runner.placement.rank)
 
     def root(self) -> nn.Module:
         """The pipelined module."""
@@ -123,6 +127,7 @@ class PipelinedSteps:
         value, _ = self.replay(
             "training_step", None if loss is None else loss * accumulate, merge_logs(records, samples)
         )
+        self.losses.observe(value, getattr(module, "_trainer", None), batch_idx, scaled=self.scale is not None)
         return value
 
     def evaluate(self, hook: str, *args: Any, **kwargs: Any) -> Any:

@@ -176,7 +176,10 @@ class Plan:
         try:
             return json.dumps(data, indent=2, allow_nan=False) + "\n"
         except ValueError as err:  # NaN or infinity in a prediction
-            raise PlanFileError(f"cannot write plan as JSON: {err}") from None
+            raise PlanFileError(
+                f"cannot write plan as JSON: {err} (a predicted time or size is NaN or infinite, so the profile "
+                "it came from is broken); profile again, with the other profile mode if it repeats"
+            ) from None
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
@@ -198,7 +201,10 @@ class Plan:
             os.replace(tmp, target)
         except OSError as err:
             tmp.unlink(missing_ok=True)
-            raise PlanFileError(f"cannot write plan file {target}: {err.strerror or err}") from None
+            raise PlanFileError(
+                f"cannot write plan file {target}: {err.strerror or err}; give a path in an existing, writable "
+                "directory"
+            ) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
@@ -207,27 +213,51 @@ class Plan:
         try:
             text = source.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise PlanFileError(f"plan file {source} does not exist") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise PlanFileError(f"cannot read plan file {source}: {err}") from None
+            raise PlanFileError(
+                f"plan file {source} does not exist; check the path, or write the plan first "
+                "(`autopart plan ... -o PLAN.json`, or the strategy's save_plan)"
+            ) from None
+        except UnicodeDecodeError as err:
+            raise PlanFileError(f"cannot read plan file {source}: {err}; {_rewrite_hint(source)}") from None
+        except OSError as err:
+            raise PlanFileError(
+                f"cannot read plan file {source}: {err.strerror or err}; give a readable JSON file written by "
+                "`autopart plan -o` or the strategy's save_plan"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise PlanFileError(
-                f"plan file {source} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+                f"plan file {source} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); "
+                + _rewrite_hint(source)
             ) from None
+        if isinstance(data, dict):
+            try:  # a version this release does not read: its own fix (upgrade, or re-plan)
+                _check_schema_version(data)
+            except PlanFileError as err:
+                raise PlanFileError(f"plan file {source}: {err}") from None
         try:
             plan = cls.from_dict(data)
             plan.validate()
         except PlanFileError as err:
-            raise PlanFileError(f"plan file {source}: {err}") from None
+            raise PlanFileError(f"plan file {source}: {err}; {_rewrite_hint(source)}") from None
         return plan
 
     def validate(self) -> None:
         """Check the plan's structure; raise :class:`PlanFileError` listing every problem found."""
-        problems = _structure_problems(self)
+        from lightning_autopart.plan.checks import structure_problems  # checks imports this module
+
+        problems = structure_problems(self)
         if problems:
             raise PlanFileError("invalid plan: " + "; ".join(problems))
+
+
+def _rewrite_hint(source: Path) -> str:
+    """The fix of a plan file that does not read as a plan (edited by hand, truncated, or not a plan at all)."""
+    return (
+        f"it is not a plan as lightning_autopart writes one (edited, truncated or another file): re-plan and "
+        f"save it again (`autopart plan ... -o {source}`, or the strategy's save_plan)"
+    )
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
@@ -332,117 +362,3 @@ def _describe(value: Any) -> str:
     kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
     text = json.dumps(value)
     return f"{kind.get(type(value), 'a number')} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def _structure_problems(plan: Plan) -> list[str]:
-    """Every structural inconsistency of ``plan``, as sentences (empty when the plan is sound)."""
-    problems: list[str] = []
-    if plan.schema_version != SCHEMA_VERSION:
-        problems.append(
-            f"schema_version is {plan.schema_version}, this lightning_autopart writes {SCHEMA_VERSION}"
-        )
-    if plan.schedule not in SCHEDULES:
-        problems.append(f"unknown schedule {plan.schedule!r}; known schedules: {', '.join(SCHEDULES)}")
-    if plan.profile_mode not in PROFILE_MODES:
-        problems.append(f"profile_mode must be one of {', '.join(PROFILE_MODES)}, got {plan.profile_mode!r}")
-    if plan.layout not in LAYOUTS:
-        problems.append(f"layout must be one of {', '.join(LAYOUTS)}, got {plan.layout!r}")
-    for name in ("batch_size", "micro_batches", "micro_batch_size", "chunks_per_rank"):
-        if getattr(plan, name) < 1:
-            problems.append(f"{name} must be at least 1, got {getattr(plan, name)}")
-    if plan.chunks_per_rank > 1 and plan.schedule != "Interleaved1F1B":
-        problems.append(
-            f"chunks_per_rank is {plan.chunks_per_rank} but only Interleaved1F1B runs several chunks"
-        )
-    if not plan.stages:
-        return [*problems, "the plan has no stages"]
-    problems += _block_problems(plan)
-    problems += _rank_problems(plan)
-    replicas = plan.replicas
-    if plan.micro_batch_size * replicas * plan.micro_batches != plan.batch_size:
-        problems.append(
-            f"micro_batch_size {plan.micro_batch_size} x replicas {replicas} x micro_batches "
-            f"{plan.micro_batches} = {plan.micro_batch_size * replicas * plan.micro_batches}, "
-            f"not the batch size {plan.batch_size}"
-        )
-    for s in plan.stages:
-        for f in fields(s):
-            value = getattr(s, f.name)
-            if isinstance(value, int | float) and value < 0:
-                problems.append(f"stage {s.index}: {f.name} is negative ({value})")
-    return problems
-
-
-def _block_problems(plan: Plan) -> list[str]:
-    """Stages must be numbered in order and cover the blocks 0..n-1 contiguously, each with at least one block."""
-    problems: list[str] = []
-    expected_start = 0
-    for position, s in enumerate(plan.stages):
-        if s.index != position:
-            problems.append(f"stage at position {position} has index {s.index}")
-        if s.block_start != expected_start:
-            where = (
-                "the first block (0)"
-                if position == 0
-                else f"block {expected_start}, where stage {position - 1} ends"
-            )
-            problems.append(f"stage {s.index} starts at block {s.block_start}, not at {where}")
-        if s.block_end <= s.block_start:
-            problems.append(
-                f"stage {s.index} has no blocks (block_start {s.block_start}, block_end {s.block_end})"
-            )
-        elif len(s.blocks) != s.block_end - s.block_start:
-            problems.append(
-                f"stage {s.index} names {len(s.blocks)} blocks but spans {s.block_end - s.block_start} "
-                f"(blocks {s.block_start}..{s.block_end - 1})"
-            )
-        expected_start = s.block_end
-    fp = plan.fingerprint
-    blocks = fp.get("blocks")
-    entry = {"name": str, "param_count": int, "shapes_sha256": str}
-    if not (
-        isinstance(fp.get("model"), str)
-        and isinstance(fp.get("param_count"), int)
-        and isinstance(blocks, list)
-        and all(
-            isinstance(b, dict) and all(isinstance(b.get(k), t) for k, t in entry.items()) for b in blocks
-        )
-    ):
-        problems.append(
-            "fingerprint must hold model (a string), param_count (an integer) and blocks (a list of "
-            "{name, param_count, shapes_sha256})"
-        )
-    elif expected_start != len(blocks):
-        problems.append(f"the stages end at block {expected_start} but the model has {len(blocks)} blocks")
-    return problems
-
-
-def _rank_problems(plan: Plan) -> list[str]:
-    """Ranks must lie in the cluster, replicas be equal, and every rank hold ``chunks_per_rank`` stages."""
-    problems: list[str] = []
-    world = plan.cluster.world_size
-    replicas = plan.stages[0].replicas
-    holds: dict[int, int] = {}
-    for s in plan.stages:
-        if not s.ranks:
-            problems.append(f"stage {s.index} has no ranks")
-        if s.replicas != replicas:
-            problems.append(
-                f"stage {s.index} has {s.replicas} replicas, stage 0 has {replicas}; they must be equal"
-            )
-        if len(set(s.ranks)) != len(s.ranks):
-            problems.append(f"stage {s.index} lists a rank twice: {list(s.ranks)}")
-        outside = [r for r in s.ranks if not 0 <= r < world]
-        if outside:
-            problems.append(f"stage {s.index} uses ranks {outside} outside the world size {world}")
-        for r in set(s.ranks):
-            holds[r] = holds.get(r, 0) + 1
-    wrong = sorted(r for r, n in holds.items() if n != plan.chunks_per_rank)
-    if wrong:
-        r = wrong[0]
-        problems.append(
-            f"rank {r} holds {holds[r]} stages, expected chunks_per_rank = {plan.chunks_per_rank}"
-            + (f" (and {len(wrong) - 1} more ranks like it)" if len(wrong) > 1 else "")
-        )
-    return problems
-

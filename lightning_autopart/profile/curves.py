@@ -65,7 +65,8 @@ def join_curves(profiles: Mapping[int, ModelProfile]) -> ModelProfile:
         if [b.name for b in profiles[size].blocks] != names:
             raise ProfileError(
                 f"the profile at batch {size} has other blocks than the one at batch {sizes[-1]}; "
-                "the model's structure depends on the batch size"
+                "the model's structure depends on the batch size: make forward call the same modules at every "
+                "batch size (no branch on x.shape[0])"
             )
     blocks = []
     for k, block in enumerate(base.blocks):

@@ -15,6 +15,7 @@ from lightning_autopart.devices import DeviceSpec, device_spec, tf32_convolution
 from lightning_autopart.errors import ConfigError, ProfileError
 from lightning_autopart.profile.calibrate import calibrate_cpu
 from lightning_autopart.profile.estimate import estimate_block, estimate_curve
+from lightning_autopart.profile.hints import failure_hint
 from lightning_autopart.profile.measure import BlockFailed, measure_blocks
 from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
@@ -199,10 +200,11 @@ def profile(
             try:
                 cost = measured[index] if mode == "measure" else estimate_block(block, precision, roofline)
             except Exception as err:
+                hint = failure_hint(block, mode, err)
                 _forget_frames(err)
                 raise ProfileError(
                     f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
-                    f"{type(err).__name__}: {err}"
+                    f"{type(err).__name__}: {err}{hint}"
                 ) from err
             cut_bytes = sum(scaled_nbytes(t, precision.compute) for t in captured.cuts[index])
             if mode == "estimate" and precision.mixed and precision.compute is not None:
@@ -285,10 +287,11 @@ def _measure(
     except BlockFailed as failed:
         index = window[failed.position]
         err = failed.error
+        hint = failure_hint(blocks[failed.position], "measure", err)
         _forget_frames(failed)
         raise ProfileError(
             f"profiling block {index} ({blocks[failed.position].name!r}) in measure mode failed: "
-            f"{type(err).__name__}: {err}"
+            f"{type(err).__name__}: {err}{hint}"
         ) from err
     return dict(zip(window, costs, strict=True))
 

@@ -234,6 +234,37 @@ def test_bad_plan_files(plan_file: Path, tmp_path: Path, capsys: pytest.CaptureF
         assert message in err, err
 
 
+def test_hints_name_only_what_the_command_has(
+    plan_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 11: an unknown spec pointed at "bandwidth options" the command lacks, `show` at the strategy's
+    load_plan, and a plan file that fails validation named the field but not the fix."""
+    code, _, err = run(["plan", *NET, "--batch-size", "4", "--device-spec", "b200"], capsys)
+    assert code == 2 and "bandwidth options" not in err
+    assert "use the closest known spec and give the memory per device (CLI: --device-spec h200-141gb" in err
+    for extra, fix in (
+        (["--world-size", "4"], "re-plan for 4 ranks with `autopart plan ... --devices 4 -o PLAN.json`"),
+        (["--batch-size", "32"], "re-plan for batch 32 with `autopart plan ... --batch-size 32 -o PLAN.json`"),
+    ):
+        code, _, err = run(["show", str(plan_file), *extra], capsys)
+        assert code == 2 and fix in err and "load_plan" not in err, err
+    edited = json.loads(plan_file.read_text())
+    edited["micro_batches"] = "four"
+    bad = tmp_path / "edited.json"
+    bad.write_text(json.dumps(edited))
+    code, _, err = run(["show", str(bad)], capsys)
+    assert code == 2
+    assert err.strip().endswith(
+        f"plan file {bad}: micro_batches must be an integer, got a string \"four\"; it is not a plan as "
+        f"lightning_autopart writes one (edited, truncated or another file): re-plan and save it again "
+        f"(`autopart plan ... -o {bad}`, or the strategy's save_plan)"
+    ), err
+    edited["micro_batches"] = 0
+    bad.write_text(json.dumps(edited))
+    code, _, err = run(["show", str(bad)], capsys)
+    assert code == 2 and "invalid plan: micro_batches must be at least 1, got 0" in err and "re-plan" in err
+
+
 def test_debug_shows_the_traceback_and_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="unknown device spec"):
         main(["plan", *NET, "--batch-size", "4", "--device-spec", "b200", "--debug"])

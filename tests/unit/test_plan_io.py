@@ -162,13 +162,21 @@ def test_world_size_mismatch_names_both_values() -> None:
     with pytest.raises(PlanMismatchError) as info:
         check_compatible(plan, world_size=4)
     assert str(info.value) == (
-        "plan was made for world size 8, this job has 4 ranks; re-plan with --devices 4 or drop load_plan"
+        "plan was made for world size 8, this job has 4 ranks; re-plan for 4 ranks with "
+        "`autopart plan ... --devices 4 -o PLAN.json`"
+    )  # `autopart show` checks too: load_plan, the strategy's option, is not named
+    with pytest.raises(PlanMismatchError) as info:
+        check_compatible(plan, world_size=4, loading=True)
+    assert str(info.value).endswith(
+        "re-plan for 4 ranks: drop load_plan (the strategy then plans for this job; save_plan keeps the new "
+        "plan), or make a plan with `autopart plan ... --devices 4 -o PLAN.json`"
     )
 
 
 def test_batch_size_mismatch() -> None:
     with pytest.raises(
-        PlanMismatchError, match="global batch size 64, this job uses 32; re-plan with --batch-size 32"
+        PlanMismatchError, match=r"global batch size 64, this job uses 32; re-plan for batch 32 with `autopart plan "
+        r"\.\.\. --batch-size 32 -o PLAN\.json`$"
     ):
         check_compatible(make_plan(), batch_size=32)
 

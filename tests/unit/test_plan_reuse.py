@@ -123,14 +123,15 @@ def test_another_model_is_refused(plan_file: Path) -> None:
         _make_plan(PlanSettings(load_plan=str(plan_file)), other, _call(other), 4, 2, 1, CPU)
     message = str(info.value)
     assert message.startswith(f"load_plan {plan_file}: ")
-    assert "the plan is for another model; re-plan for this model or drop load_plan" in message
+    assert "the plan is for another model; re-plan for this model: drop load_plan (the strategy" in message
 
 
 def test_another_world_size_is_refused(plan_file: Path) -> None:
     model = Lit("mlp")
     with pytest.raises(
         PlanMismatchError,
-        match=r"plan was made for world size 2, this job has 4 ranks; re-plan with --devices 4 or drop load_plan",
+        match=r"plan was made for world size 2, this job has 4 ranks; re-plan for 4 ranks: drop load_plan .* "
+        r"`autopart plan \.\.\. --devices 4 -o PLAN\.json`$",
     ):
         _make_plan(PlanSettings(load_plan=str(plan_file)), model, _call(model, 8), 8, 4, 1, CPU)
 
