@@ -85,6 +85,10 @@ def _train_here(name: str, stages: int, checkpoint: list[int]) -> dict[str, Any]
     [("normdrop", 1, [0]), ("normdrop", 2, [0]), ("normdrop", 2, [1]), ("gpt", 2, [0, 1])],
 )
 def test_one_process_recompute_equals_plain(name: str, stages: int, checkpoint: list[int]) -> None:
+    if stages > 1 and torch.__version__ < "2.13":
+        # Two stages on one rank send to themselves, which torch 2.11's gloo refuses ("Pair is not connected");
+        # no plan puts two stages on one rank, and the 2-rank cases below cover the pipelined path there.
+        pytest.skip("two stages on one rank need gloo sends to self (torch >= 2.13)")
     plain = _train_here(name, stages, [])
     recomputed = _train_here(name, stages, checkpoint)
     assert (plain["recomputing"], recomputed["recomputing"]) == ([], checkpoint)
