@@ -141,7 +141,10 @@ def test_two_ranks_recompute_equals_plain(runner_runs: dict[int, dict[int, Any]]
     plain = next(i for i, c in enumerate(PLAIN) if {**c, "checkpoint": case["checkpoint"]} == case)
     for rank, results in runner_runs.items():
         got, expected = results[index], results[plain]
-        assert got["losses"] == pytest.approx(expected["losses"], rel=1e-6)
+        if None in expected["losses"]:  # not the last stage: no loss here (older pytest's approx refuses None)
+            assert got["losses"] == expected["losses"]
+        else:
+            assert got["losses"] == pytest.approx(expected["losses"], rel=1e-6)
         assert got["params"].keys() == expected["params"].keys() and got["params"]
         for key in ("params", "buffers"):
             for n in expected[key]:
