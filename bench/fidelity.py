@@ -218,6 +218,54 @@ def measure_run(
             "steps_s": seconds}  # fmt: skip
 
 
+class _OpTrace(L.Callback):
+    """Records steps ``warmup .. warmup + steps - 1`` under ``torch.profiler``; :attr:`ops` per aten op, device us."""
+
+    def __init__(self, warmup: int, steps: int, cuda: bool) -> None:
+        self.warmup, self.steps, self.cuda = warmup, steps, cuda
+        self.ops: dict[str, dict[str, float]] = {}
+        self._prof: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
+        elif batch_idx == self.warmup + self.steps and self._prof is not None:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self._prof.__exit__(None, None, None)
+            for ev in self._prof.key_averages():
+                own = getattr(ev, "self_device_time_total", 0.0) if self.cuda else ev.self_cpu_time_total
+                if own > 0 or ev.key.startswith("aten::"):
+                    self.ops[ev.key] = {"calls": ev.count / self.steps, "self_us": own / self.steps}
+            self._prof = None
+
+
+def trace_ops(
+    case: FidelityCase, data: Dataset[Any], *, accelerator: str, warmup: int, steps: int
+) -> dict[str, Any]:
+    """Device time per op and step of plain Lightning on ``case`` (``torch.profiler``), for finding the op the
+    estimate gets wrong; a separate run, so that the profiler's overhead stays out of the measured step."""
+    cuda = accelerator == "gpu"
+    _free(cuda)
+    torch.manual_seed(0)
+    model = _use_optimizer(case.model(), case.optimizer)
+    trace = _OpTrace(warmup, steps, cuda)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, strategy="auto", precision=case.precision,  # type: ignore[arg-type]
+        max_steps=warmup + steps + 1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[trace],
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=None, shuffle=False))
+    del trainer, model
+    _free(cuda)
+    return trace.ops
+
+
 def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool) -> Any:
     from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
     from lightning_autopart.planner import meta_inputs, profile_model
@@ -347,6 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, --tiny 5)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, --tiny 2)")
     parser.add_argument("--json", type=Path, default=None, help="also write every step time and prediction")
+    parser.add_argument("--ops", action="store_true", help="also trace device time per op (in the json)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (5 if args.tiny else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5)
@@ -381,7 +430,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             row[mode] = p
             print(f"{case.name} {mode}: time x{_fmt(p['time_ratio'])}, peak x{_fmt(p['peak_ratio'])}",
                   file=sys.stderr)  # fmt: skip
+        if args.ops:
+            row["ops"] = trace_ops(case, data, accelerator=args.accelerator, warmup=warmup, steps=3)
         rows.append(row)
+        if args.json:  # after every case, so that a run stopped part-way keeps what it measured
+            args.json.write_text(json.dumps({"rows": rows}, indent=1))
     header = (
         f"{_device_name(args.accelerator)}; torch {torch.__version__}, lightning {L.__version__}; spec {spec.name}; "
         f"{steps} timed steps after {warmup} warm-up; float32 matmul precision "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_autopart.capture.graph import Block
 from lightning_autopart.devices import DeviceSpec
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.profile.autocast_meta import MetaAutocast
 from lightning_autopart.profile.opcount import Gemm, OpCounter, OpRecord, Roofline
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.records import CostPoint
@@ -62,7 +65,9 @@ def _fused_sdpa(
     if not q.shape[1] == k.shape[1] == v.shape[1]:
         return None
     if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
-        return None  # a learned bias as the mask (T5's position bias): the fused kernel has no gradient for it
+        return (
+            None  # a learned bias as the mask (T5's position bias): the fused kernel has no gradient for it
+        )
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
@@ -73,7 +78,7 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
     """Cost of ``block`` under ``roofline`` without real compute or memory.
 
     A copy of the block runs forward and backward on meta tensors, parameters and floating inputs held in
-    the compute dtype (a "-mixed" precision is modelled as compute in its low-precision dtype), attention
+    the compute dtype (a "-mixed" precision keeps float32 parameters and applies autocast's casts on meta: see [Note: autocast on meta]), attention
     as one fused kernel (:class:`FusedAttention`). Each aten op costs :meth:`Roofline.op_us`: ``max(flops /
     sustained FLOP/s, bytes / sustained bandwidth) + launch_us``, matrix products and convolutions priced by
     their tiles and waves when ``roofline`` was built with ``waves=True`` (see [Note: GEMM waves] in
@@ -91,15 +96,25 @@ def _counted(
 ) -> tuple[OpCounter, tuple[int, int, int], tuple[int, int], tuple[frozenset[str], frozenset[str]]]:
     """A counted forward and backward of a meta copy of ``block``, its saved bytes as ``Runner.counted_run``
     returns them, and its (transient, cast) bytes (see estimate_block)."""
-    compute = Precision(precision.name, precision.compute, precision.compute)
-    runner = Runner(block, _META, compute)
-    runner.context = FusedAttention
+    if precision.mixed and precision.compute is not None:
+        runner = Runner(block, _META, precision)  # float32 weights, autocast's casts (see MetaAutocast)
+        runner.context = partial(_mixed, precision.compute)
+    else:
+        runner = Runner(block, _META, Precision(precision.name, precision.compute, precision.compute))
+        runner.context = FusedAttention
     counter = OpCounter(roofline, keep_ops=keep_ops)
     try:
         saved = runner.counted_run(counter)
     finally:
         runner.release()  # see [Note: no copy outlives the profiler] in sandbox.py
     return counter, saved, (runner.transient_bytes, runner.cast_bytes), runner.saved_names
+
+
+@contextlib.contextmanager
+def _mixed(dtype: torch.dtype) -> Iterator[None]:
+    """Autocast to ``dtype`` on meta tensors, attention as one fused kernel (casts first, then the kernel)."""
+    with FusedAttention(), MetaAutocast(dtype):
+        yield
 
 
 def batch_sizes(block_a: Block, block_b: Block) -> tuple[int, int]:

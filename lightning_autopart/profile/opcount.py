@@ -15,20 +15,25 @@ matrices (``mm``/``addmm``: B = 1; ``bmm``/``baddbmm``: the batch; a convolution
 
 ``peak`` is the device's dense peak for the product's math (:meth:`DeviceSpec.matmul_flops`: bf16/fp16 tensor
 cores, TF32 tensor cores for float32 where torch allows it, else the plain FP32 units) and ``efficiency`` is
-``DeviceSpec.flops_efficiency``: the fraction of its peak one SM reaches while it works on a tile. The tile is
-CUTLASS's default threadblock shape for the math: 128 x 256 for tensor cores
-(``DefaultGemmConfiguration<OpClassTensorOp, Sm80>``: 128x256x64), and 128 x 128 for float32 on the FMA
-units (``DefaultGemmConfiguration<OpClassSimt>``: 128x128x8, the classic ``sgemm_128x128`` kernels). The SIMT tile is smaller because an SM's FMA units need
-about 7x fewer operand bytes per second than its tensor cores, so a 128x128 tile already keeps them fed (32
-FLOP per float32 operand byte against the 20 an H100 needs at its FP32 rate from DRAM), and a smaller tile
-wastes less of the last wave. A tile is never wider than the matrix (a 2-row product does 2-row tiles, as
-cuBLAS's small kernels do). When the output has fewer tiles than there are SMs, the library splits K (split-K)
-into slices of at least 256 so that more SMs work; the slices' partial sums cost memory traffic. Products of a
-wave or more are not split: this is the classic split-K heuristic, and where a library balances the last wave
-instead (stream-K, persistent kernels), the estimate of such a product is pessimistic by at most one wave.
+``DeviceSpec.flops_efficiency``: the fraction of its peak one SM reaches while it works on a tile. On tensor
+cores the tile is CUTLASS's default threadblock shape, 128 x 256 (``DefaultGemmConfiguration<OpClassTensorOp,
+Sm80>``: 128x256x64). On the float32 FMA units the library has kernels of many tiles (cuBLAS's sm80 ``ffma``
+kernels of 128x128, 128x64, 128x32, 64x128, CUTLASS's ``simt_sgemm`` of 256x128) and picks one that wastes
+little of the last wave, so the plan is the fastest over :data:`SIMT_TILES`: an H100 ran ``(512 x 5000) @
+(5000 x 5000)`` with its 128x32 kernel, 5 waves 95 % full, where 128 x 128 tiles fill 61 % of 2 waves. An FMA
+unit needs about 7x fewer operand bytes per second than a tensor core, so small SIMT tiles stay fed. A tile is
+never wider than the matrix (a 2-row product does 2-row tiles, as cuBLAS's small kernels do). When the output
+has fewer tiles than there are SMs, the library splits K (split-K) into slices of at least 256 so that more SMs
+work; the slices' partial sums cost memory traffic. Products of a wave or more are not split: this is the
+classic split-K heuristic, and where a library balances the last wave instead (stream-K, persistent kernels),
+the estimate of such a product is pessimistic by at most one wave.
 
-Examples (H100, 132 SMs, float32 without TF32, 128 x 128 tiles): ``(512 x 5000) @ (5000 x 5000)`` has
-4 x 40 = 160 tiles, 2 waves, 160 of 264 tile slots used (61 %); ``(8192 x 768) @ (768 x 2304)`` has
+Tensor-core kernels load each operand in 16-byte vectors, so every dimension must be a multiple of 8 elements
+(16-bit) or 4 (TF32). A product off that (GPT-2's vocabulary of 50257) runs on kernels that load one element at
+a time (cuBLAS's ``align1``), bound by those loads: it is priced at the peak over the vector width (989 / 8 =
+124 TFLOP/s in bfloat16 on an H100, which ran GPT-2's LM head at 95-148).
+
+Examples (H100, 132 SMs, float32 without TF32): ``(8192 x 768) @ (768 x 2304)`` in 128 x 128 tiles is
 64 x 18 = 1152 tiles, 9 waves, 97 % of the slots used. Every other op keeps the plain roofline ``max(flops / (peak x flops_efficiency),
 bytes / (bandwidth x bw_efficiency)) + launch_us`` at :meth:`DeviceSpec.peak_flops`; so do the attention
 kernels (flash/memory-efficient attention are not one GEMM: they fuse two products and a softmax per tile,
@@ -77,9 +82,14 @@ _EXTRA_FLOPS: dict[Any, Any] = {
     ),
 }
 
-#: Output tile (rows x columns) of one SM's share of a product: tensor-core math, and float32 FMA units.
+#: Output tile (rows x columns) of one SM's share of a product on tensor cores.
 TENSOR_CORE_TILE = (128, 256)
-SIMT_TILE = (128, 128)
+#: Output tiles of the float32 FMA-unit (SIMT) kernels cuBLAS chooses among (sm80 ``ffma`` kernels and
+#: CUTLASS's ``simt_sgemm``), either orientation; see [Note: GEMM waves].
+SIMT_TILES = ((256, 128), (128, 128), (128, 64), (128, 32), (64, 64))
+SIMT_TILE = SIMT_TILES[1]
+#: Bytes of one vector load: tensor-core kernels need every operand's rows aligned to it.
+VECTOR_BYTES = 16
 #: Smallest slice of K that split-K hands one SM.
 SPLIT_K_MIN = 256
 #: Bytes of one split-K partial sum (accumulated in float32).
@@ -117,6 +127,13 @@ class GemmRate:
     sm_count: int = 1
     #: Output tile of one SM, rows x columns (either orientation is used, whichever needs fewer tiles).
     tile: tuple[int, int] = SIMT_TILE
+    #: Other tiles the library may choose instead (the fastest plan of all is taken).
+    more_tiles: tuple[tuple[int, int], ...] = ()
+    #: Elements per vector load that every dimension must be a multiple of (tensor cores: 16 bytes); a product
+    #: off it runs at :attr:`misaligned_flops_per_us`. 1: no such rule.
+    align: int = 1
+    #: FLOP per microsecond of a misaligned product: the peak over ``align`` (one element per load).
+    misaligned_flops_per_us: float = 0.0
 
     def waves(self, gemm: Gemm) -> tuple[int, int, int]:
         """``(tiles, split, waves)`` of ``gemm``: output tiles, K slices per tile, and waves over the SMs."""
@@ -130,13 +147,21 @@ class GemmRate:
             return gemm.flops / self.flops_per_us, 0.0
         time_us, _, split, _ = self._plan(gemm)
         extra = 2.0 * split * gemm.batch * gemm.m * gemm.n * _PARTIAL_BYTES if split > 1 else 0.0
+        if self.misaligned(gemm):
+            time_us = max(time_us, gemm.flops / self.misaligned_flops_per_us)
         return time_us, extra
+
+    def misaligned(self, gemm: Gemm) -> bool:
+        """Whether ``gemm`` has a dimension off the vector width, so it runs one element per load."""
+        a = self.align
+        return a > 1 and self.misaligned_flops_per_us > 0 and any(d % a for d in (gemm.m, gemm.n, gemm.k))
 
     def _plan(self, gemm: Gemm) -> tuple[float, int, int, int]:
         sms = max(1, self.sm_count)
         per_sm = self.flops_per_us / sms
         best: tuple[float, int, int, int] | None = None
-        for tm, tn in {self.tile, self.tile[::-1]}:
+        shapes = {t for tile in (self.tile, *self.more_tiles) for t in (tile, tile[::-1])}
+        for tm, tn in sorted(shapes):
             tiles = gemm.batch * -(-gemm.m // tm) * -(-gemm.n // tn)
             split = 1
             if 0 < tiles < sms:
@@ -190,9 +215,11 @@ class Roofline:
         sms = spec.sm_count if waves else 1
 
         def rate(allow_tf32: bool) -> GemmRate:
-            tile = TENSOR_CORE_TILE if spec.tensor_cores(dtype, allow_tf32) else SIMT_TILE
-            flops = spec.matmul_flops(dtype, allow_tf32) * spec.flops_efficiency / 1e6
-            return GemmRate(flops, sms, tile)
+            peak = spec.matmul_flops(dtype, allow_tf32) / 1e6
+            if not spec.tensor_cores(dtype, allow_tf32):
+                return GemmRate(peak * spec.flops_efficiency, sms, SIMT_TILE, SIMT_TILES)
+            align = VECTOR_BYTES // _element_bytes(dtype) if sms > 1 else 1
+            return GemmRate(peak * spec.flops_efficiency, sms, TENSOR_CORE_TILE, (), align, peak / align)
 
         return cls(
             flops_per_us=spec.peak_flops(dtype) * spec.flops_efficiency / 1e6,
@@ -223,6 +250,12 @@ class Roofline:
             compute += us
             extra += more
         return max(compute, (nbytes + extra) / self.bytes_per_us) + self.launch_us
+
+
+def _element_bytes(dtype: str) -> int:
+    """Bytes of one element of a compute dtype name (float32 for names torch does not know)."""
+    found = getattr(torch, dtype, None)
+    return found.itemsize if isinstance(found, torch.dtype) else 4
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
@@ -324,6 +357,29 @@ _GEMMS: dict[Any, Any] = {
 }
 
 
+_CONVOLUTIONS = {_aten.convolution, _aten._convolution, _aten.convolution_backward}
+
+
+def relayout_bytes(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+    """Bytes cuDNN moves to run a channels-first convolution on tensor cores: its tensor-core kernels take
+    channels-last (NHWC) operands, so each activation operand (input, output, their gradients) in NCHW is
+    transposed in and out, one read and one write of it each. 0 for channels-last inputs.
+
+    [Note: conv relayout] Seen on an H100 (torch 2.11, cuDNN 9): ResNet-50 x 4 in float32 with TF32 spends
+    13 of its 107 ms per step in ``nchwToNhwcKernel``/``nhwcToNchwKernel`` around the ``sm90_xmma`` kernels.
+    """
+    backward = packet is _aten.convolution_backward
+    x, weight = (args[1], args[2]) if backward else (args[0], args[1])
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 3:
+        return 0.0
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if channels_last is not None and x.is_contiguous(memory_format=channels_last):
+        return 0.0
+    leaves = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+    acts = [t for t in leaves if t.dim() == x.dim() and t.shape[0] == x.shape[0] and t.shape != weight.shape]
+    return 2.0 * sum(t.numel() * t.element_size() for t in acts)
+
+
 def gemms_of(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[Gemm, ...]:
     """The matrix products op ``packet`` runs on ``args``; () for other ops or arguments it cannot read."""
     shapes = _GEMMS.get(packet)
@@ -423,6 +479,9 @@ class OpCounter(TorchDispatchMode):
         leaves, _ = tree_flatten(tensors)
         nbytes = float(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
         gemms = tuple(self._pending_gemms)
+        conv = self.roofline.conv if self.roofline is not None else None
+        if conv is not None and conv.align > 1 and packet in _CONVOLUTIONS:
+            nbytes += relayout_bytes(packet, *tensors)
         count.nbytes += nbytes
         count.kernels += 1
         if self.roofline is not None:

@@ -207,8 +207,6 @@ def profile(
                     f"{type(err).__name__}: {err}{hint}"
                 ) from err
             cut_bytes = sum(scaled_nbytes(t, precision.compute) for t in captured.cuts[index])
-            if mode == "estimate" and precision.mixed and precision.compute is not None:
-                cost = dataclasses.replace(cost, cast_bytes=_weight_casts(captured, index, precision.compute))
             own = memory[index]
             step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
             record = _record(block.name, block.modules, own, cost, cut_bytes, step_us)
@@ -381,18 +379,3 @@ def _with_curve(
         cut_bytes=(cuts[0], cuts[1]),
     )
     return with_curve(record, curve)
-
-
-def _weight_casts(captured: CapturedModel, index: int, compute: torch.dtype) -> int:
-    """Bytes of autocast's copies of a block's weights (matrices and filters: what matmuls and convolutions cast)
-    for an estimate, whose meta run computes in the low precision throughout and so makes no copies."""
-    shapes = captured.param_shapes
-    total = 0
-    for name in captured.blocks[index].params:
-        shape = shapes.get(name, ())
-        if len(shape) >= 2:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * compute.itemsize
-    return total

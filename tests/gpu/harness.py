@@ -144,6 +144,17 @@ class StepLog(L.Callback):
             self.scales.append(float(scaler.get_scale()))
 
 
+class DeviceLog(L.Callback):
+    """The device types of the model's tensors at the end of training: Lightning moves a GPU model back to the
+    CPU in its teardown, so reading them after ``fit`` would say "cpu" on both sides."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.devices = {t.device.type for t in (*pl_module.parameters(), *pl_module.buffers())}
+
+
 class _Window(L.Callback):
     """Training batches ``start`` (inclusive) to ``stop`` (exclusive): ``open`` at ``start``'s
     ``on_train_batch_start``, ``close`` at ``stop``'s (or at the end of training), so everything Lightning does
@@ -268,14 +279,14 @@ def fit(
     torch.manual_seed(0)
     module = case.module()
     initial = _cpu_copies(module.named_parameters())
-    log = StepLog()
+    log, where = StepLog(), DeviceLog()
     options: dict[str, Any] = {"plugins": plugins} if plugins is not None else {"precision": precision}
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
         strategy=strategy,
         max_steps=max_steps,
-        callbacks=[*([log] if log_steps else []), *callbacks],
+        callbacks=[where, *([log] if log_steps else []), *callbacks],
         **options,
         **QUIET,
     )
@@ -286,7 +297,7 @@ def fit(
         initial=initial,
         losses=log.losses,
         scales=log.scales,
-        devices={t.device.type for t in (*module.parameters(), *module.buffers())},
+        devices=where.devices,
         allocated_before=before,
     )
     del trainer, module

@@ -1,0 +1,109 @@
+"""Autocast's casts on meta tensors, so that estimate mode prices a "-mixed" precision as the device runs it.
+
+[Note: autocast on meta] ``torch.autocast`` applies to tensors of the device type it names; meta tensors have
+none, so a meta copy under autocast runs every op in float32. Running the whole block in bfloat16 instead (what
+estimate mode did) misses what autocast really does: the weight copies made every forward (on an H100, 4 ms
+of a 52 ms GPT-2 bf16-mixed step in ``copy_``), the float32 ops it keeps (layer norms, softmax, the loss) and
+the float32 activations they save. :class:`MetaAutocast` applies autocast's own op lists at the ``torch``
+function level, above autograd as autocast is, so the casts are ops the counters see and autograd
+differentiates: products, convolutions and attention in the low-precision dtype, the float32 list in float32,
+everything else as type promotion gives it. Casts of parameters are cached for the forward, as autocast's are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+__all__: list[str] = []
+
+_T = torch.Tensor
+
+#: Ops autocast runs in the low-precision dtype (CUDA's "lower_precision_fp" list).
+_LOW: frozenset[Any] = frozenset(
+    {
+        F.linear, F.bilinear, F.prelu, F.scaled_dot_product_attention,
+        F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+        torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm,
+        torch.mv, _T.mv, torch.addmm, _T.addmm, torch.baddbmm, _T.baddbmm, torch.addbmm, _T.addbmm,
+        torch.addmv, _T.addmv, torch.addr, _T.addr, torch.chain_matmul, torch.linalg.multi_dot,
+    }
+)  # fmt: skip
+
+#: Ops autocast runs in float32 (CUDA's "fp32" list, the ones models call).
+_FP32: frozenset[Any] = frozenset(
+    {
+        F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.softmin, F.softplus, F.normalize,
+        F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.kl_div, F.poisson_nll_loss,
+        F.binary_cross_entropy_with_logits, F.cosine_similarity, F.cosine_embedding_loss, F.margin_ranking_loss,
+        F.hinge_embedding_loss, F.soft_margin_loss, F.multi_margin_loss, F.triplet_margin_loss,
+        torch.softmax, _T.softmax, torch.log_softmax, _T.log_softmax, torch.exp, _T.exp, torch.expm1, _T.expm1,
+        torch.log, _T.log, torch.log1p, _T.log1p, torch.log2, _T.log2, torch.log10, _T.log10,
+        torch.pow, _T.pow, _T.__pow__, _T.__rpow__, torch.rsqrt, _T.rsqrt, torch.reciprocal, _T.reciprocal,
+        _T.__rtruediv__, torch.sum, _T.sum, torch.prod, _T.prod, torch.cumsum, _T.cumsum, torch.cumprod,
+        _T.cumprod, torch.norm, _T.norm, torch.dist, torch.cdist, torch.acos, torch.asin, torch.cosh,
+        torch.sinh, torch.tan, torch.erfinv, torch.renorm,
+    }
+)  # fmt: skip
+
+_aten = torch.ops.aten
+
+#: The same lists as aten ops, for graphs captured at the aten level (``torch.export``); matched by packet.
+_LOW_ATEN: frozenset[Any] = frozenset(
+    {
+        _aten.linear, _aten.bilinear, _aten.prelu, _aten.matmul, _aten.mm, _aten.bmm, _aten.mv, _aten.addmm,
+        _aten.baddbmm, _aten.addbmm, _aten.addmv, _aten.addr, _aten.chain_matmul, _aten.linalg_multi_dot,
+        _aten.conv1d, _aten.conv2d, _aten.conv3d, _aten.conv_transpose1d, _aten.conv_transpose2d,
+        _aten.conv_transpose3d, _aten.convolution, _aten._convolution, _aten.scaled_dot_product_attention,
+    }
+)  # fmt: skip
+_FP32_ATEN: frozenset[Any] = frozenset(
+    {
+        _aten.layer_norm, _aten.native_layer_norm, _aten.group_norm, _aten.native_group_norm, _aten.softmax,
+        _aten._softmax, _aten.log_softmax, _aten._log_softmax, _aten.cross_entropy_loss, _aten.nll_loss,
+        _aten.nll_loss_forward, _aten.nll_loss2d, _aten.mse_loss, _aten.l1_loss, _aten.smooth_l1_loss,
+        _aten.kl_div, _aten.binary_cross_entropy_with_logits, _aten.softplus, _aten.cosine_similarity,
+        _aten.exp, _aten.expm1, _aten.log, _aten.log1p, _aten.log2, _aten.log10, _aten.pow, _aten.rsqrt,
+        _aten.reciprocal, _aten.sum, _aten.prod, _aten.cumsum, _aten.cumprod, _aten.norm,
+        _aten.linalg_vector_norm, _aten.dist, _aten.cdist, _aten.acos, _aten.asin, _aten.cosh, _aten.sinh,
+        _aten.tan, _aten.erfinv, _aten.renorm,
+    }
+)  # fmt: skip
+
+_LOW_SOURCES = frozenset({torch.float32})
+_FP32_SOURCES = frozenset({torch.bfloat16, torch.float16})
+
+
+class MetaAutocast(TorchFunctionMode):
+    """``torch.autocast(dtype=dtype)`` for meta tensors (see [Note: autocast on meta])."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        packet = getattr(func, "_overloadpacket", None)
+        if func in _LOW or packet in _LOW_ATEN:
+            args, kwargs = tree_map(lambda x: self._cast(x, _LOW_SOURCES, self.dtype), (args, kwargs))
+        elif func in _FP32 or packet in _FP32_ATEN:
+            args, kwargs = tree_map(lambda x: self._cast(x, _FP32_SOURCES, torch.float32), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _cast(self, x: Any, sources: frozenset[torch.dtype], dtype: torch.dtype) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dtype not in sources:
+            return x
+        if not (x.is_leaf and x.requires_grad):
+            return x.to(dtype)
+        cached = self._cache.get(id(x))
+        if cached is None or cached[0] is not x or cached[1].dtype != dtype:
+            cached = (x, x.to(dtype))  # the source is kept with its copy: its id cannot be reused meanwhile
+            self._cache[id(x)] = cached
+        return cached[1]

@@ -1,0 +1,65 @@
+"""Autocast on meta tensors: estimate mode's "-mixed" blocks cast, save and copy weights as autocast does."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_autopart.capture import capture
+from lightning_autopart.profile import profile
+from lightning_autopart.profile.autocast_meta import MetaAutocast
+from lightning_autopart.profile.opcount import OpCounter
+
+
+class _Residual(nn.Module):
+    """A pre-norm residual MLP: autocast's float32 list (layer norm), its bf16 list (linear), and promotion."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def test_ops_take_autocasts_dtypes_on_meta() -> None:
+    with torch.device("meta"):
+        lin, x = nn.Linear(8, 8), torch.empty(4, 8)
+        labels = torch.zeros(4, dtype=torch.long)
+    with MetaAutocast(torch.bfloat16):
+        y = lin(x)
+        z = F.layer_norm(y, (8,))
+        loss = F.cross_entropy(y, labels)
+        w = torch.ops.aten.mm.default(x, x.t())  # an aten-level graph (torch.export) is cast as well
+    assert (y.dtype, z.dtype, loss.dtype, w.dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+    )
+    assert (x + y).dtype == torch.float32  # everything else: type promotion
+
+
+def test_a_weight_used_twice_is_cast_once_per_forward() -> None:
+    with torch.device("meta"):
+        lin, x = nn.Linear(16, 16), torch.empty(2, 16)
+    counter = OpCounter(keep_ops=True)
+    with counter, MetaAutocast(torch.bfloat16):
+        counter.phase = "fwd"
+        lin(lin(x))
+    casts = [o for o in counter.ops if o.op.startswith("aten._to_copy")]
+    assert len(casts) == 3  # the weight and the bias once each, and the input once
+
+
+def test_estimate_meters_what_cpu_autocast_does() -> None:
+    """The same blocks profiled for real under CPU autocast and estimated on meta: equal saved and cast bytes
+    (the op lists this model uses are the same on CPU and CUDA)."""
+    model = nn.Sequential(_Residual(64), _Residual(64))
+    cap = capture(model, (torch.randn(16, 64),), max_blocks=2)
+    real = profile(cap, device="cpu", dtype="bf16-mixed", repeats=1)
+    meta = profile(cap, "estimate", dtype="bf16-mixed")
+    assert [b.activation_bytes for b in meta.blocks] == [b.activation_bytes for b in real.blocks]
+    assert [b.cast_bytes for b in meta.blocks] == [b.cast_bytes for b in real.blocks]
+    assert all(b.cast_bytes == (64 * 256 * 2 + 256 + 64) * 2 for b in meta.blocks)
