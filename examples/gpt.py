@@ -1,17 +1,32 @@
-"""A GPT-2-style decoder-only transformer with pre-LayerNorm blocks, as a LightningModule."""
+r"""A GPT-2-style decoder-only transformer with pre-LayerNorm blocks and a tied head, as a LightningModule.
+
+Trains on generated token sequences (:class:`TokenDataModule`) with LightningCLI, from the repository root::
+
+    python -m examples.gpt                                    # examples/configs/gpt.yaml: 2 stages on 2 CPU processes
+    python -m examples.gpt fit --config examples/configs/gpt.yaml --model.n_layers 8 --trainer.max_steps 100
+    torchrun --nproc_per_node=8 -m examples.gpt --trainer.strategy.num_stages null \
+        --model.d_model 1600 --model.n_layers 48 --model.n_heads 25 --data.vocab_size 50257 --data.seq_len 1024
+
+The last one is GPT-2 XL (1.56B parameters) on 8 GPUs, the planner choosing the stages. The config names the
+strategy by class path (``lightning_autopart.AutoPartitionStrategy`` with ``init_args``), which needs no import.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Subset
 
-from examples.common import SyntheticDataModule
+import lightning_autopart  # noqa: F401  (registers strategy="autopart", for configs that use the name)
+from examples.common import SyntheticDataModule, cli_main
 from examples.data import SyntheticTokens
 
-__all__ = ["GPT", "PRESETS", "Block", "CausalSelfAttention"]
+__all__ = ["GPT", "PRESETS", "Block", "CausalSelfAttention", "TokenDataModule", "main"]
 
 #: Named configurations for ``GPT.from_preset``. ``"xl"`` is GPT-2 XL: its 50257 x 1600 embedding (and
 #: tied output head) make the first and last stages much heavier than a single block.
@@ -132,7 +147,7 @@ class GPT(SyntheticDataModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         """Next-token cross-entropy, averaged over every position of every sequence."""
@@ -144,3 +159,53 @@ class GPT(SyntheticDataModule):
         """Training sequences followed by four batches of held-out validation sequences."""
         n = self.hparams["num_samples"] + 4 * self.hparams["batch_size"]
         return SyntheticTokens(n, self.hparams["seq_len"], self.hparams["vocab_size"], seed=0)
+
+
+class TokenDataModule(L.LightningDataModule):
+    """``num_samples`` generated training sequences (:class:`SyntheticTokens`), then 4 batches of validation ones.
+
+    Args:
+        vocab_size: Number of distinct tokens (the model's vocabulary takes it).
+        seq_len: Tokens per sequence (the model's context takes it).
+        batch_size: Sequences per batch of one pipeline replica.
+        num_samples: Training sequences.
+        noise: Probability that a token is replaced by a random one (the rest count upwards).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 32,
+        batch_size: int = 8,
+        num_samples: int = 1024,
+        noise: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        h = self.hparams
+        data = SyntheticTokens(
+            h["num_samples"] + 4 * h["batch_size"], h["seq_len"], h["vocab_size"], noise=h["noise"]
+        )
+        self.train_set = Subset(data, range(h["num_samples"]))
+        self.val_set = Subset(data, range(h["num_samples"], len(data)))
+
+    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        return DataLoader(self.train_set, batch_size=self.hparams["batch_size"], shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        return DataLoader(self.val_set, batch_size=self.hparams["batch_size"])
+
+
+#: The data's sizes that the model takes (LightningCLI links them: give them under ``data:`` only).
+LINKS = [(f"data.{name}", f"model.{name}") for name in ("vocab_size", "seq_len", "batch_size", "num_samples")]
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Train :class:`GPT` on :class:`TokenDataModule` with LightningCLI (``configs/gpt.yaml`` as defaults)."""
+    cli_main(GPT, TokenDataModule, config="gpt.yaml", links=LINKS, args=args)
+
+
+if __name__ == "__main__":
+    main()

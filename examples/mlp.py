@@ -1,4 +1,10 @@
-"""An MLP whose layers differ in cost by orders of magnitude, as a LightningModule."""
+"""An MLP whose layers differ in cost by orders of magnitude, as a LightningModule.
+
+It shows why autopart balances stages by measured cost rather than by layer count. From the repository root::
+
+    python -m examples.mlp                     # examples/configs/mlp.yaml: 96M parameters, 2 stages on 2 CPU processes
+    torchrun --nproc_per_node=8 -m examples.mlp --trainer.strategy.num_stages null
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.common import SyntheticDataModule
+import lightning_autopart  # noqa: F401  (registers strategy="autopart")
+from examples.common import SyntheticDataModule, cli_main
 from examples.data import SyntheticRegression
 
-__all__ = ["DEFAULT_WIDTHS", "UnevenMLP"]
+__all__ = ["DEFAULT_WIDTHS", "UnevenMLP", "main"]
 
 #: Default feature widths. The 9 linear layers between them cost (in parameters, roughly also in FLOPs
 #: per sample) 8.4M, 67M, 2.1M, 66K, 1.1M, 17M, 262K, 4K and 66K: the second layer alone holds 70% of
@@ -71,10 +78,19 @@ class UnevenMLP(SyntheticDataModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
+        self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True, sync_dist=True)
 
     def _dataset(self) -> SyntheticRegression:
         """Training samples followed by four batches of held-out validation samples."""
         widths = self.hparams["widths"]
         n = self.hparams["num_samples"] + 4 * self.hparams["batch_size"]
         return SyntheticRegression(n, widths[0], seed=0, out_dim=widths[-1])
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Train :class:`UnevenMLP` with LightningCLI (``configs/mlp.yaml`` as defaults)."""
+    cli_main(UnevenMLP, config="mlp.yaml", args=args)
+
+
+if __name__ == "__main__":
+    main()

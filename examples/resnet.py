@@ -1,17 +1,32 @@
-"""A wide ResNet with bottleneck blocks (BiT-style width factor), as a LightningModule."""
+r"""A wide ResNet with bottleneck blocks (BiT-style width factor), as a LightningModule.
+
+RaNNC's enlarged ResNets (``resnet50x2`` ... ``resnet152x8``: depth 50, 101 or 152 times width 2, 4 or 8) with
+synthetic images, no torchvision. From the repository root::
+
+    python -m examples.resnet                 # examples/configs/resnet.yaml: a ResNet-26 on 32x32 images, 2 CPU processes
+    torchrun --nproc_per_node=8 -m examples.resnet --model.depth 152 --model.width_factor 8 \
+        --model.num_classes 1000 --model.image_size 224 --model.batch_size 32    # resnet152x8, 3.7B parameters
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.common import SyntheticDataModule
+import lightning_autopart  # noqa: F401  (registers strategy="autopart", the name configs/resnet.yaml uses)
+from examples.common import SyntheticDataModule, cli_main
 from examples.data import SyntheticImages
 
-__all__ = ["BLOCKS_PER_DEPTH", "Bottleneck", "ResNet"]
+__all__ = ["BLOCKS_PER_DEPTH", "RANNC_MODELS", "Bottleneck", "ResNet", "main"]
+
+#: RaNNC's model names (its ResNet example's ``MODEL=``) -> (depth, width_factor).
+RANNC_MODELS: dict[str, tuple[int, int]] = {
+    f"resnet{depth}x{width}": (depth, width) for depth in (50, 101, 152) for width in (2, 4, 8)
+}
 
 #: Bottleneck blocks per stage for each supported depth (depth = 3 * sum(blocks) + 2).
 BLOCKS_PER_DEPTH: dict[int, tuple[int, int, int, int]] = {
@@ -115,6 +130,14 @@ class ResNet(SyntheticDataModule):
         self._init_weights()
         self.example_input_array = torch.randn(2, 3, image_size, image_size)
 
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> ResNet:
+        """Build one of :data:`RANNC_MODELS` by name (``"resnet152x8"``), with ``overrides`` applied on top."""
+        if name not in RANNC_MODELS:
+            raise ValueError(f"unknown ResNet name (name={name!r}); use one of {sorted(RANNC_MODELS)}")
+        depth, width_factor = RANNC_MODELS[name]
+        return cls(depth, width_factor, **overrides)
+
     def _init_weights(self) -> None:
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
@@ -141,11 +164,20 @@ class ResNet(SyntheticDataModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         images, labels = batch
         logits = self(images)
-        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True)
-        self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean(), prog_bar=True)
+        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
+        self.log("val_acc", (logits.argmax(dim=1) == labels).float().mean(), prog_bar=True, sync_dist=True)
 
     def _dataset(self) -> SyntheticImages:
         """Training images followed by four batches of held-out validation images."""
         n = self.hparams["num_samples"] + 4 * self.hparams["batch_size"]
         size, classes = self.hparams["image_size"], self.hparams["num_classes"]
         return SyntheticImages(n, channels=3, size=size, classes=classes, seed=0)
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Train :class:`ResNet` on its synthetic images with LightningCLI (``configs/resnet.yaml`` as defaults)."""
+    cli_main(ResNet, config="resnet.yaml", args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,19 +1,38 @@
-"""The RaNNC tutorial model: a stack of ``hidden x hidden`` linear layers, as a LightningModule."""
+"""The RaNNC tutorial model: a stack of ``hidden x hidden`` linear layers, as a LightningModule.
+
+Run it as the RaNNC tutorial does (``batch_size hidden layers``), from the repository root::
+
+    python examples/tutorial.py 64 512 10                  # Lightning starts 2 CPU processes (every GPU on a GPU host)
+    mpirun -np 2 python examples/tutorial.py 64 512 10     # or torchrun --nproc_per_node=2, or srun
+    python -m examples.tutorial --device-memory 12MB       # a memory too small for one device: 2 stages
+
+or with LightningCLI (``fit`` and a config; the config's ``strategy: autopart`` works because this file imports
+``lightning_autopart``, which registers the name)::
+
+    python -m examples.tutorial fit --config examples/configs/tutorial.yaml --model.hidden 1024
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any, Literal
+
+# Run as a file (python examples/tutorial.py, mpirun ...): make the package `examples` importable.
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.common import SyntheticDataModule
+from examples.common import SUBCOMMANDS, SyntheticDataModule, cli_main, default_devices
 from examples.data import SyntheticRegression
+from lightning_autopart import AutoPartitionStrategy  # importing the package registers strategy="autopart"
 
 __all__ = ["Net", "main"]
 
@@ -66,7 +85,7 @@ class Net(SyntheticDataModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True)
+        self.log("val_loss", F.mse_loss(self(x), y), prog_bar=True, sync_dist=True)
 
     def _dataset(self) -> SyntheticRegression:
         """Training samples followed by four batches of held-out validation samples."""
@@ -115,6 +134,8 @@ def _compare_throughput(trainer: L.Trainer, measured: _Throughput) -> None:
         f"measured {measured.samples_per_s:,.0f} samples/s ({measured.steps} steps after {measured.warmup} "
         f"warm-up), {measured.samples_per_s / predicted:.0%} of the prediction"
     )
+    if not str(plan.device).startswith("cpu"):
+        return
     step_ms = 1000 * plan.batch_size / measured.samples_per_s
     print(
         f"why they differ: the plan prices compute, transfers and the optimizer step, timed block by block on this "
@@ -125,38 +146,50 @@ def _compare_throughput(trainer: L.Trainer, measured: _Throughput) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train ``Net`` with ``strategy="autopart"`` on CPU processes; print the plan, the loss and samples/s.
+    """Train ``Net`` with ``strategy="autopart"``; print the plan, the loss and samples/s.
 
-    Run from the repository root: ``python -m examples.tutorial`` (2 processes, the planner decides), or force a
-    pipeline with ``--num-stages 2`` or a small ``--device-memory 20MB``. ``--strategy ddp`` runs plain DDP.
+    ``python examples/tutorial.py [batch_size hidden layers]`` (the RaNNC tutorial's arguments) or the options
+    below; ``fit ...`` runs LightningCLI instead (``fit --config examples/configs/tutorial.yaml``). The processes
+    are the launcher's (torchrun, mpirun, srun), else every GPU here, else 2 CPU processes (``--devices``). Force a
+    pipeline with ``--num-stages 2`` or a small ``--device-memory 20MB``; ``--strategy ddp`` runs plain DDP.
     ``--save-plan plan.json`` keeps the plan; ``--load-plan plan.json`` runs it again with no profiling or planning.
     Seeded (``--seed``): every run ends at the same loss. Ends with the plan's predicted samples/s beside the
     measured ones.
     """
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        cli_main(Net, config="tutorial.yaml", args=argv)
+        return
+    parser = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("batch", nargs="?", type=int, metavar="batch_size", help="as --batch-size")
+    parser.add_argument("width", nargs="?", type=int, metavar="hidden", help="as --hidden")
+    parser.add_argument("depth", nargs="?", type=int, metavar="layers", help="as --layers")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch of one pipeline replica")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per batch of one replica")
     parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--devices", type=int, default=2, help="CPU processes (Lightning starts the others)")
+    parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")
+    parser.add_argument("--devices", type=int, default=None, help="processes per node (default: see above)")
     parser.add_argument("--strategy", default="autopart", help="autopart (default), ddp, auto, ...")
     parser.add_argument("--num-stages", type=int, default=None, help="force the pipeline depth")
     parser.add_argument("--micro-batches", type=int, default=None, help="force the micro-batch count")
-    parser.add_argument("--device-memory", default=None, help="pretend each device has this much memory, e.g. 20MB")
+    parser.add_argument("--device-memory", default=None, help="pretend a device has this memory: 20MB")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and data order")
     parser.add_argument("--save-plan", default=None, help="write the plan to this JSON file")
     parser.add_argument("--load-plan", default=None, help="run this saved plan: no profiling, no planning")
     args = parser.parse_args(argv)
+    batch_size = args.batch or args.batch_size
+    hidden = args.width or args.hidden
+    layers = args.depth or args.layers
+    devices, num_nodes = default_devices()
 
     torch.set_num_threads(1)
     L.seed_everything(args.seed)  # the same weights on every rank, and the same final loss on every run
-    model = Net(args.hidden, args.layers, lr=args.lr, batch_size=args.batch_size, optimizer=args.optimizer)
+    model = Net(hidden, layers, lr=args.lr, batch_size=batch_size, optimizer=args.optimizer)
     strategy: Any = args.strategy
     if args.strategy == "autopart":
-        from lightning_autopart import AutoPartitionStrategy
-
         strategy = AutoPartitionStrategy(
             num_stages=args.num_stages,
             micro_batches=args.micro_batches,
@@ -164,10 +197,11 @@ def main(argv: list[str] | None = None) -> None:
             save_plan=args.save_plan,
             load_plan=args.load_plan,
         )
-    throughput = _Throughput(args.batch_size, warmup=min(5, args.max_steps // 4))
+    throughput = _Throughput(batch_size, warmup=min(5, args.max_steps // 4))
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
+        accelerator=args.accelerator,
+        devices=args.devices or devices,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_steps=args.max_steps,
         limit_val_batches=0,
@@ -181,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         print(f"final train_loss={float(trainer.callback_metrics['train_loss']):.4f}")
         _compare_throughput(trainer, throughput)
+    print(f"Finished on rank{trainer.global_rank}")
 
 
 if __name__ == "__main__":

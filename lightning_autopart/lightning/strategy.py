@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.checkpoints import CHECKPOINT_MODES, CheckpointHooks, StageCheckpoints
+from lightning_autopart.lightning.environments import check_launched_world, refuse_mpi_without_mpi4py
 from lightning_autopart.lightning.faults import FaultGuard
 from lightning_autopart.lightning.first_batch import (
     PlanSettings,
@@ -89,6 +90,11 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         profile: "measure" (time the blocks here) or "estimate" (roofline).
         load_plan: Path of a plan to use instead of planning (checked against the model and world size).
         save_plan: Path where rank 0 writes the plan.
+        accelerator: Set by the Trainer from its ``accelerator``; leave unset.
+        parallel_devices: Set by the Trainer from its ``devices``; leave unset.
+        cluster_environment: Set by the Trainer (torchrun, SLURM, ... detected, or its ``plugins``); leave unset.
+        checkpoint_io: Set by the Trainer from its ``plugins``; leave unset.
+        precision_plugin: Set by the Trainer from its ``precision``; leave unset.
         process_group_backend: "gloo" or "nccl" (None: by device).
         timeout: Timeout of collectives: the longest a rank waits for a frozen peer. A rank that raises or is
             killed stops every rank within seconds whatever the timeout ([Note: failing ranks], faults.py).
@@ -214,12 +220,14 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
                     "AutoPartitionStrategy cannot start processes from an interactive session: spawn-style "
                     "launching would return only one stage's weights. Run a script (python train.py) or torchrun"
                 )
+            refuse_mpi_without_mpi4py()
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
     @override
     def setup_environment(self) -> None:
+        check_launched_world(self.cluster_environment, self.num_processes, self.num_nodes)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

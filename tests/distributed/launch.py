@@ -39,6 +39,13 @@ def run_job(args: list[str], world: int, how: str = "lightning", timeout: float 
     else:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         command = [sys.executable, *args]
+    return run_session(command, env, timeout)
+
+
+def run_session(command: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run ``command`` from the repository root in its own session; return (exit code or TIMED_OUT, output).
+
+    The session is killed whole on timeout and afterwards (a launcher's children may outlive it)."""
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -52,4 +59,4 @@ def run_job(args: list[str], world: int, how: str = "lightning", timeout: float 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    return code, log.decode()
+    return code, log.decode(errors="replace")

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import math
+import sys
+import types
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -12,8 +18,9 @@ from torch import nn
 
 from examples.data import SyntheticImages, SyntheticRegression, SyntheticTokens
 from examples.gpt import GPT
+from examples.image_classifier import CIFAR10DataModule, ImageClassifier
 from examples.mlp import UnevenMLP
-from examples.resnet import ResNet
+from examples.resnet import RANNC_MODELS, ResNet
 from examples.tutorial import Net, main
 
 # name -> (factory of a small configuration, expected output shape for its example_input_array)
@@ -195,7 +202,122 @@ def test_synthetic_images_shapes_and_labels() -> None:
 
 
 def test_tutorial_main_trains_and_reports_throughput(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--hidden", "32", "--layers", "2", "--batch-size", "8", "--max-steps", "3", "--devices", "1", "--strategy", "auto"])
+    model = ["--hidden", "32", "--layers", "2", "--batch-size", "8"]
+    main([*model, "--max-steps", "3", "--devices", "1", "--strategy", "auto"])
     out = capsys.readouterr().out
     assert "#Parameters=2112" in out
     assert "samples/s" in out
+
+
+def test_tutorial_takes_the_seed_positional_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    # The RaNNC tutorial's command line: batch_size hidden layers.
+    main(["8", "32", "2", "--max-steps", "3", "--devices", "1", "--strategy", "auto"])
+    out = capsys.readouterr().out
+    assert "#Parameters=2112" in out  # 2 layers of 32 x 32 + 32
+    assert "final train_loss=" in out
+    assert "Finished on rank0" in out
+
+
+def test_resnet_from_name_builds_rannc_models() -> None:
+    assert len(RANNC_MODELS) == 9
+    with torch.device("meta"):
+        model = ResNet.from_name("resnet152x8", num_classes=10)
+    h = model.hparams
+    assert (h["depth"], h["width_factor"], h["num_classes"]) == (152, 8, 10)
+    with pytest.raises(ValueError, match=r"name='resnet18x2'"):
+        ResNet.from_name("resnet18x2")
+
+
+def test_image_classifier_is_torchvision_resnet18() -> None:
+    model = ImageClassifier()
+    assert _num_params(model) == 11_181_642  # torchvision's resnet18(num_classes=10)
+    assert [name for name, _ in model.named_children()] == [
+        "stem",
+        *(f"layer{i}" for i in range(1, 5)),
+        "head",
+    ]
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_cifar10_datamodule_synthetic_batches() -> None:
+    data = CIFAR10DataModule(batch_size=4, num_samples=10)
+    data.setup("fit")
+    images, labels = next(iter(data.train_dataloader()))
+    assert images.shape == (4, 3, 32, 32) and labels.shape == (4,)
+    assert len(data.train_dataloader()) == 2  # drop_last: every batch the planned size
+    assert len(data.val_set) == 16
+
+
+def test_cifar10_datamodule_without_torchvision_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"data_dir='data'.*pip install torchvision.*leave data_dir unset"):
+        CIFAR10DataModule(data_dir="data").prepare_data()
+
+
+def test_cifar10_datamodule_reads_the_real_data_set_with_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, bool, bool]] = []
+
+    class FakeCIFAR10(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+        def __init__(self, root: str, train: bool, transform: Callable[..., Any], download: bool) -> None:
+            calls.append((root, train, download))
+            self.transform = transform
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+            return self.transform(torch.ones(3, 32, 32)), index % 10
+
+    fake = types.ModuleType("torchvision")
+    fake.datasets = types.SimpleNamespace(CIFAR10=FakeCIFAR10)  # type: ignore[attr-defined]
+    fake.transforms = types.SimpleNamespace(  # type: ignore[attr-defined]
+        Compose=lambda steps: lambda x: functools.reduce(lambda v, f: f(v), steps, x),
+        ToTensor=lambda: lambda x: x,
+        Normalize=lambda mean, std: (
+            lambda x: (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    data = CIFAR10DataModule(data_dir="cifar", batch_size=4)
+    data.prepare_data()
+    data.setup("fit")
+    images, labels = next(iter(data.train_dataloader()))
+    # prepare_data downloads both splits; setup reads them.
+    assert calls == [("cifar", train, download) for download in (True, False) for train in (True, False)]
+    assert images.shape == (4, 3, 32, 32) and labels.shape == (4,)
+    torch.testing.assert_close(images[0, 0, 0, 0], torch.tensor((1 - 0.4914) / 0.2470))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_hf_causal_lm_builds_from_a_small_config_and_trains(model_type: str) -> None:
+    pytest.importorskip("transformers")
+    from examples.hf_causal_lm import CausalLM, CausalLMDataModule
+
+    model = CausalLM(model_type, vocab_size=64, seq_len=16, hidden_size=32, num_layers=2, num_heads=2)
+    data = CausalLMDataModule(vocab_size=64, seq_len=16, batch_size=2, num_samples=4)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*self.log.*")  # no Trainer attached
+        loss = model.training_step(batch, 0)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    # About the loss of a uniform guess over the vocabulary, at the start.
+    assert 0.5 * math.log(64) < float(loss.detach()) < 2 * math.log(64)
+    loss.backward()
+    assert model.model.config.use_cache is False
+
+
+def test_hf_causal_lm_loads_pretrained_weights_from_a_directory(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from examples.hf_causal_lm import CausalLM
+
+    saved = CausalLM("gpt2", vocab_size=64, seq_len=16, hidden_size=32, num_layers=1, num_heads=2)
+    saved.model.save_pretrained(tmp_path)
+    loaded = CausalLM(pretrained=str(tmp_path), vocab_size=64)
+    expected = saved.model.state_dict()
+    for name, value in loaded.model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], msg=name)
+    with pytest.raises(ValueError, match=r"vocab_size=65 exceeds .* 64 tokens; lower data.vocab_size"):
+        CausalLM(pretrained=str(tmp_path), vocab_size=65)
