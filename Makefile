@@ -13,12 +13,12 @@ PYTEST_ARGS ?=
 # make test-torch TORCH=2.11.0: the whole suite in .venv-torch$(TORCH) on that torch (PyPI's build if it must).
 TORCH  ?= 2.11.0
 
-.PHONY: demo plan-demo test test-torch test-gpu lint typecheck pytest bench clean
+.PHONY: demo plan-demo test test-torch test-gpu lint typecheck pytest docs docs-images bench clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.py
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	TORCH_VERSION=$(TORCH_VERSION) AUTOPART_TORCH_FROM_PYPI=$(AUTOPART_TORCH_FROM_PYPI) $(BIN)/python scripts/ensure_torch.py
-	$(BIN)/python -m pip install -q -e '.[test,dev,plot]'
+	$(BIN)/python -m pip install -q -e '.[test,dev,plot,docs,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,7 +39,15 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# The docs site in out/site; --strict fails on a broken link or anchor, or a page left out of the nav.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d out/site
+
+# The docs' plan pictures (committed): the tutorial plan of `make plan-demo`, drawn into docs/img/.
+docs-images: $(STAMP)
+	$(BIN)/python scripts/docs_images.py
+
+test: lint typecheck docs pytest
 
 # Another torch: a venv of its own (no system site packages, so the system's torch is not seen), same checks.
 test-torch:
