@@ -4,6 +4,7 @@ progress of profiling, as ``autopart plan`` shows it."""
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,8 @@ __all__ = [
 
 #: Widest the plan tables get; they fit a 120-column terminal and CI logs.
 WIDTH = 120
+#: Set in every process mpirun starts (Open MPI; MPICH and Intel MPI's Hydra).
+_MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def format_plan(plan: Plan) -> RenderableType:
@@ -39,11 +42,14 @@ def format_plan(plan: Plan) -> RenderableType:
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
-    """Print :func:`format_plan` to ``console`` (default: stdout, 120 columns when it is not a terminal)."""
+    """Print :func:`format_plan` to ``console`` (default: stdout, 120 columns when it is not a terminal).
+
+    Under mpirun, stdout is a pseudo-terminal of 80 columns that mpirun copies into its own output (a log, most
+    often): it is printed as to a file, 120 columns and no colour codes, not squeezed into 80."""
     if console is None:
         console = Console(file=sys.stdout)
-        if not console.is_terminal:
-            console = Console(file=sys.stdout, width=WIDTH)
+        if not console.is_terminal or any(os.environ.get(v) for v in _MPI_RANK_VARIABLES):
+            console = Console(file=sys.stdout, width=WIDTH, force_terminal=False)
     console.print(format_plan(plan))
 
 

@@ -88,6 +88,38 @@ def test_print_plan_without_a_terminal(capsys: pytest.CaptureFixture[str]) -> No
     assert "\x1b[" not in out  # no colour codes in CI logs
 
 
+def test_print_plan_under_mpirun_is_not_squeezed_into_its_pty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mpirun gives each rank an 80-column pseudo-terminal and copies it into its output: the plan is printed
+    as to a file (120 columns, no colour codes), not wrapped at 80 with escape sequences in the log."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    with os.fdopen(slave, "w", closefd=True) as tty:
+        monkeypatch.setattr(sys, "stdout", tty)
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+        monkeypatch.delenv("TERM", raising=False)
+        print_plan(make_plan())
+        tty.flush()
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                break
+            chunks.append(chunk)
+            if len(chunk) < 1 << 16:
+                break
+    os.close(master)
+    out = b"".join(chunks).decode()
+    assert "\x1b[" not in out and "Step time" in out
+    assert max(len(line) for line in out.splitlines()) > 80
+
+
 def test_number_formats() -> None:
     assert [format_ranks(r) for r in ([3], [0, 1, 2, 3, 4, 5, 6, 7], [0, 4, 8, 12], [6, 0, 4, 2, 8])] == [
         "3",
