@@ -15,7 +15,8 @@ from lightning_autopart.capture.graph import Block
 from lightning_autopart.devices import DeviceSpec
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile.autocast_meta import MetaAutocast
-from lightning_autopart.profile.opcount import Gemm, OpCounter, OpRecord, Roofline
+from lightning_autopart.profile.gemms import Gemm
+from lightning_autopart.profile.opcount import OpCounter, OpRecord, Roofline
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.records import CostPoint
 from lightning_autopart.profile.runner import BlockCost, Runner

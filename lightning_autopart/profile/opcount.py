@@ -43,7 +43,6 @@ and their FLOP formula is the whole story we know). A spec with one SM (the "cpu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_autopart.devices import DeviceSpec, tf32_convolutions, tf32_matmuls
+from lightning_autopart.profile.gemms import CONVOLUTIONS, Gemm, gemms_of, relayout_bytes
 
 __all__: list[str] = []
 
@@ -99,22 +99,6 @@ _PARTIAL_BYTES = 4
 def flop_formula(packet: Any) -> Any:
     """The FLOP formula of an op overload packet, or None when it has none."""
     return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-
-
-@dataclass(frozen=True, slots=True)
-class Gemm:
-    """``batch`` independent ``(m x k) @ (k x n)`` products, of ``kind`` "matmul" or "conv"."""
-
-    kind: str
-    batch: int
-    m: int
-    n: int
-    k: int
-
-    @property
-    def flops(self) -> float:
-        """Multiply-adds times two."""
-        return 2.0 * self.batch * self.m * self.n * self.k
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,139 +242,6 @@ def _element_bytes(dtype: str) -> int:
     return found.itemsize if isinstance(found, torch.dtype) else 4
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
-    return (Gemm("matmul", 1, a.shape[0], b.shape[1], a.shape[1]),)
-
-
-def _addmm(c: Any, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
-    return _mm(a, b)
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
-    return (Gemm("matmul", a.shape[0], a.shape[1], b.shape[2], a.shape[2]),)
-
-
-def _baddbmm(c: Any, a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
-    return _bmm(a, b)
-
-
-def conv_gemms(
-    weight_shape: tuple[int, ...], groups: int, positions: int, which: tuple[str, ...]
-) -> tuple[Gemm, ...]:
-    """A convolution's products as implicit GEMMs, per group (so ``batch`` is ``groups``).
-
-    Write the convolution as the plain (not transposed) one it is built on: ``weight_shape`` is
-    ``(Co, Ci / groups, *kernel)`` for it (a transposed convolution's weight, ``(C_in, C_out / groups, *k)``,
-    is that of the plain convolution from its output to its input), and ``positions`` is batch times the
-    spatial size of that plain convolution's output (a transposed convolution's input). Then, with
-    ``P = positions``, ``R = Ci / groups * prod(kernel)``:
-
-    - "fwd": the plain forward (im2col), ``P x (Co / groups)`` outputs over ``K = R``;
-    - "dgrad": the gradient of its input, or a transposed convolution's forward (col2im), ``P x R`` outputs
-      over ``K = Co / groups``;
-    - "wgrad": the weight gradient, ``(Co / groups) x R`` outputs over ``K = P``.
-
-    Each has the FLOPs ``torch.utils.flop_counter`` gives the convolution (except grouped weight gradients,
-    which it counts ``groups`` times over).
-    """
-    co, ci_g = weight_shape[0], weight_shape[1]
-    r = ci_g * math.prod(weight_shape[2:])
-    co_g = co // max(1, groups)
-    shapes = {"fwd": (positions, co_g, r), "dgrad": (positions, r, co_g), "wgrad": (co_g, r, positions)}
-    return tuple(Gemm("conv", groups, *shapes[w]) for w in which)
-
-
-def _convolution(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: Any,
-    stride: Any,
-    padding: Any,
-    dilation: Any,
-    transposed: bool,
-    output_padding: Any,
-    groups: int,
-    *args: Any,
-    out_val: Any = None,
-    **kwargs: Any,
-) -> tuple[Gemm, ...]:
-    plain_out = x if transposed else out_val
-    positions = plain_out.shape[0] * math.prod(plain_out.shape[2:])
-    return conv_gemms(tuple(w.shape), groups, positions, ("dgrad",) if transposed else ("fwd",))
-
-
-def _convolution_backward(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias_sizes: Any,
-    stride: Any,
-    padding: Any,
-    dilation: Any,
-    transposed: bool,
-    output_padding: Any,
-    groups: int,
-    output_mask: Any,
-    *args: Any,
-    out_val: Any = None,
-    **kwargs: Any,
-) -> tuple[Gemm, ...]:
-    plain_out = x if transposed else grad_out
-    positions = plain_out.shape[0] * math.prod(plain_out.shape[2:])
-    which = []
-    if output_mask[0]:
-        which.append("fwd" if transposed else "dgrad")
-    if output_mask[1]:
-        which.append("wgrad")
-    return conv_gemms(tuple(w.shape), groups, positions, tuple(which))
-
-
-#: The matrix products of an op, from its arguments (and ``out_val``), as [Note: GEMM waves] prices them.
-_GEMMS: dict[Any, Any] = {
-    _aten.mm: _mm,
-    _aten.addmm: _addmm,
-    _aten.bmm: _bmm,
-    _aten.baddbmm: _baddbmm,
-    _aten.convolution: _convolution,
-    _aten._convolution: _convolution,
-    _aten.convolution_backward: _convolution_backward,
-}
-
-
-_CONVOLUTIONS = {_aten.convolution, _aten._convolution, _aten.convolution_backward}
-
-
-def relayout_bytes(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
-    """Bytes cuDNN moves to run a channels-first convolution on tensor cores: its tensor-core kernels take
-    channels-last (NHWC) operands, so each activation operand (input, output, their gradients) in NCHW is
-    transposed in and out, one read and one write of it each. 0 for channels-last inputs.
-
-    [Note: conv relayout] Seen on an H100 (torch 2.11, cuDNN 9): ResNet-50 x 4 in float32 with TF32 spends
-    13 of its 107 ms per step in ``nchwToNhwcKernel``/``nhwcToNchwKernel`` around the ``sm90_xmma`` kernels.
-    """
-    backward = packet is _aten.convolution_backward
-    x, weight = (args[1], args[2]) if backward else (args[0], args[1])
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 3:
-        return 0.0
-    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    if channels_last is not None and x.is_contiguous(memory_format=channels_last):
-        return 0.0
-    leaves = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
-    acts = [t for t in leaves if t.dim() == x.dim() and t.shape[0] == x.shape[0] and t.shape != weight.shape]
-    return 2.0 * sum(t.numel() * t.element_size() for t in acts)
-
-
-def gemms_of(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[Gemm, ...]:
-    """The matrix products op ``packet`` runs on ``args``; () for other ops or arguments it cannot read."""
-    shapes = _GEMMS.get(packet)
-    if shapes is None:
-        return ()
-    try:
-        return tuple(shapes(*args, **kwargs, out_val=out))
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return ()
-
-
 @dataclass(slots=True)
 class PhaseCount:
     """Totals of one phase (forward or backward)."""
@@ -480,7 +331,7 @@ class OpCounter(TorchDispatchMode):
         nbytes = float(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
         gemms = tuple(self._pending_gemms)
         conv = self.roofline.conv if self.roofline is not None else None
-        if conv is not None and conv.align > 1 and packet in _CONVOLUTIONS:
+        if conv is not None and conv.align > 1 and packet in CONVOLUTIONS:
             nbytes += relayout_bytes(packet, *tensors)
         count.nbytes += nbytes
         count.kernels += 1

@@ -17,7 +17,8 @@ from lightning_autopart.capture.graph import Block, CapturedModel, TensorInfo
 from lightning_autopart.devices import device_spec
 from lightning_autopart.errors import ConfigError, ProfileError
 from lightning_autopart.profile import calibrate_cpu, merge_profiles, profile, profiled_blocks
-from lightning_autopart.profile.opcount import Gemm, Roofline
+from lightning_autopart.profile.gemms import Gemm
+from lightning_autopart.profile.opcount import Roofline
 from lightning_autopart.profile.records import ModelProfile, TiedParam
 
 F32 = 4

@@ -19,14 +19,8 @@ from lightning_autopart.devices import device_spec, tf32_convolutions, tf32_matm
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile import calibrate_cpu
 from lightning_autopart.profile.estimate import batch_sizes, estimate_block, estimate_curve
-from lightning_autopart.profile.opcount import (
-    SIMT_TILE,
-    TENSOR_CORE_TILE,
-    Gemm,
-    OpCounter,
-    Roofline,
-    conv_gemms,
-)
+from lightning_autopart.profile.gemms import Gemm, conv_gemms
+from lightning_autopart.profile.opcount import SIMT_TILE, TENSOR_CORE_TILE, OpCounter, Roofline
 from lightning_autopart.profile.precision import Precision, parse_precision
 from tests.models import GPT
 
