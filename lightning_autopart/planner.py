@@ -81,12 +81,15 @@ def profile_model(
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
     captured = capture(model, example_inputs, max_blocks=max_blocks)
+    reads = _loss_reads(captured, loss) if loss is not None else None
+    _mark_dead_outputs(captured, reads)
     b0 = captured.batch_size
     notes: dict[str, Any] = {"capture_notes": list(captured.notes)} if captured.notes else {}
     settings: dict[str, Any] = {"mode": profile, "spec": spec, "optimizer": optimizer, "dtype": dtype}
     outputs: dict[int, Any] = {}
     if profile == "estimate" and up_to is not None:
         twin = capture(model, resize_batch(example_inputs, b0, 2 * b0), max_blocks=max_blocks)
+        _mark_dead_outputs(twin, reads)
         if twin.batch_size != 2 * b0 or twin.num_blocks != captured.num_blocks:
             raise ProfileError(
                 f"the model captured at batch {2 * b0} has {twin.num_blocks} blocks (batch {twin.batch_size}), at "
@@ -104,6 +107,7 @@ def profile_model(
                 at = captured if size == b0 else capture(
                     model, resize_batch(example_inputs, b0, size), max_blocks=max_blocks
                 )
+                _mark_dead_outputs(at, reads)
                 profiles[size] = profile_blocks(at, **settings, progress=progress if last else None)
             except (CaptureError, ProfileError) as error:
                 if last or size >= b0 or profiles:  # only the smallest sizes may fail (BatchNorm of 1 value)
@@ -124,6 +128,38 @@ def profile_model(
         except Exception as error:  # user code: the loss stays unpriced, and the profile says why
             notes["loss_error"] = f"{type(error).__name__}: {error}"
     return dataclasses.replace(result, meta={**result.meta, **notes}) if notes else result
+
+
+def _loss_reads(captured: CapturedModel, loss: LossFn) -> tuple[bool, ...] | None:
+    """Which of the model's outputs (``cuts[-1]``) the training loss reads, found by differentiating it on meta
+    stand-ins; None when the loss cannot run there (then every output counts as read)."""
+    leaves: list[torch.Tensor] = []
+    for info in captured.cuts[-1]:
+        dtype = getattr(torch, info.dtype)
+        grad = dtype.is_floating_point
+        leaves.append(torch.empty(info.shape, dtype=dtype, device="meta", requires_grad=grad))
+    floating = [t for t in leaves if t.requires_grad]
+    try:
+        value = loss(captured.output.rebuild(leaves), captured.batch_size)
+        if not (isinstance(value, torch.Tensor) and value.requires_grad) or not floating:
+            return None
+        grads = iter(torch.autograd.grad(value, floating, allow_unused=True))
+    except Exception:  # user code that needs values: profile_loss reports it where it matters
+        return None
+    return tuple(next(grads) is not None if t.requires_grad else True for t in leaves)
+
+
+def _mark_dead_outputs(captured: CapturedModel, reads: tuple[bool, ...] | None) -> None:
+    """Set each block's ``dead_outputs``: the model outputs that ``reads`` says the loss does not read and that
+    no later block uses (see ``Block.dead_outputs``)."""
+    outputs = captured.cuts[-1]
+    if reads is None or len(reads) != len(outputs):
+        return
+    unread = {info.name for info, read in zip(outputs, reads, strict=True) if not read}
+    later: set[str] = set()
+    for block in reversed(captured.blocks):
+        block.dead_outputs = frozenset(o.name for o in block.outputs if o.name in unread and o.name not in later)
+        later.update(t.name for t in block.inputs)
 
 
 def _shapes_at(a: CapturedModel, b: CapturedModel, n: int) -> list[tuple[int, ...]]:

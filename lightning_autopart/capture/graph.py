@@ -90,6 +90,11 @@ class Block:
     outputs: tuple[TensorInfo, ...]
     #: Number of tensor operations in the block (kernel launches, for the fixed-cost model).
     op_count: int
+    #: Names of ``outputs`` that nothing downstream differentiates: model outputs the training loss does not
+    #: read and no later block uses (a Hugging Face model's logits beside the loss it computes). Profilers give
+    #: them no gradient and free them before backward, as training does (set by the planner, see
+    #: :func:`lightning_autopart.planner.profile_model`).
+    dead_outputs: frozenset[str] = frozenset()
 
 
 @dataclass

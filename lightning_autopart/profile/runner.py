@@ -104,6 +104,7 @@ class Runner:
         #: Names of the block's inputs and outputs that the last :meth:`counted_run` saved for backward.
         self.saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._names = (tuple(t.name for t in block.inputs), tuple(t.name for t in block.outputs))
+        self._dead = block.dead_outputs
 
     def release(self) -> None:
         """Free the copy, its arguments and gradient seeds now; the runner cannot run again.
@@ -119,7 +120,16 @@ class Runner:
     def forward(self, inputs: tuple[Any, ...]) -> list[torch.Tensor]:
         with self.context():
             out = self.program(*inputs)
-        return grad_outputs(out)
+        return self._live(out)
+
+    def _live(self, out: Any) -> list[torch.Tensor]:
+        """The outputs backward starts from, without the block's dead outputs (see ``Block.dead_outputs``)."""
+        if not self._dead:
+            return grad_outputs(out)
+        leaves = tree_leaves(out)
+        if len(leaves) != len(self._names[1]):
+            return grad_outputs(out)
+        return grad_outputs([t for n, t in zip(self._names[1], leaves, strict=True) if n not in self._dead])
 
     def backward(self, outputs: list[torch.Tensor]) -> None:
         if outputs:
@@ -147,7 +157,10 @@ class Runner:
             counter.phase = "fwd"
             with meter.hooks(), self.context():
                 raw = self.program(*inputs)
-            outputs = grad_outputs(raw)
+            saved_outputs = _saved(meter, self._names[1], raw)
+            outputs = self._live(raw)
+            output_bytes = meter.nbytes_of(outputs)
+            raw = None  # dead outputs are freed before backward, as a training step's are
             counter.phase = None
             self.grads = [torch.ones_like(t) for t in outputs]
             counter.phase = "bwd"
@@ -158,8 +171,8 @@ class Runner:
         self.cast_bytes = sum(allocations.casts.values())
         self.transient_bytes = max(0, allocations.peak - saved)
         casts_saved = meter.nbytes_of_keys(allocations.casts)
-        self.saved_names = (_saved(meter, self._names[0], inputs), _saved(meter, self._names[1], raw))
-        return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), meter.nbytes_of(outputs)
+        self.saved_names = (_saved(meter, self._names[0], inputs), saved_outputs)
+        return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), output_bytes
 
 
 def _saved(meter: SavedTensorMeter, names: tuple[str, ...], values: Any) -> frozenset[str]:
