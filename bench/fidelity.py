@@ -182,22 +182,21 @@ def _free(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def measure_run(
-    case: FidelityCase, data: Dataset[Any], *, accelerator: str, warmup: int, steps: int
-) -> dict[str, Any]:
-    """Train ``case`` with plain Lightning; its median step (ms), raw peak bytes (GPU) and every step time."""
+def _fit_plain(
+    case: FidelityCase, data: Dataset[Any], accelerator: str, steps: int, callback: L.Callback
+) -> None:
+    """Train ``case`` (built after seeding 0, with its optimizer) with plain Lightning on one device for ``steps``
+    steps, ``callback`` watching; everything freed before and after."""
     cuda = accelerator == "gpu"
     _free(cuda)
-    before = torch.cuda.memory_allocated() if cuda else 0
     torch.manual_seed(0)
     model = _use_optimizer(case.model(), case.optimizer)
-    clock = StepClock(warmup, steps, cuda)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
         strategy="auto",
         precision=case.precision,  # type: ignore[arg-type]
-        max_steps=warmup + steps + 1,
+        max_steps=steps,
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
@@ -205,14 +204,25 @@ def measure_run(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[clock],
+        callbacks=[callback],
     )
     trainer.fit(model, DataLoader(data, batch_size=None, shuffle=False))
+    del trainer, model
+    _free(cuda)
+
+
+def measure_run(
+    case: FidelityCase, data: Dataset[Any], *, accelerator: str, warmup: int, steps: int
+) -> dict[str, Any]:
+    """Train ``case`` with plain Lightning; its median step (ms), raw peak bytes (GPU) and every step time."""
+    cuda = accelerator == "gpu"
+    _free(cuda)
+    before = torch.cuda.memory_allocated() if cuda else 0
+    clock = StepClock(warmup, steps, cuda)
+    _fit_plain(case, data, accelerator, warmup + steps + 1, clock)
     seconds = clock.step_seconds()
     if len(seconds) != steps:
         raise RuntimeError(f"{case.name}: timed {len(seconds)} steps, expected {steps}")
-    del trainer, model
-    _free(cuda)
     peak = clock.peak if cuda else None
     return {"step_ms": statistics.median(seconds) * 1e3, "peak_bytes": peak, "before_bytes": before,
             "steps_s": seconds}  # fmt: skip
@@ -249,20 +259,8 @@ def trace_ops(
 ) -> dict[str, Any]:
     """Device time per op and step of plain Lightning on ``case`` (``torch.profiler``), for finding the op the
     estimate gets wrong; a separate run, so that the profiler's overhead stays out of the measured step."""
-    cuda = accelerator == "gpu"
-    _free(cuda)
-    torch.manual_seed(0)
-    model = _use_optimizer(case.model(), case.optimizer)
-    trace = _OpTrace(warmup, steps, cuda)
-    trainer = L.Trainer(
-        accelerator=accelerator, devices=1, strategy="auto", precision=case.precision,  # type: ignore[arg-type]
-        max_steps=warmup + steps + 1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[trace],
-    )  # fmt: skip
-    trainer.fit(model, DataLoader(data, batch_size=None, shuffle=False))
-    del trainer, model
-    _free(cuda)
+    trace = _OpTrace(warmup, steps, accelerator == "gpu")
+    _fit_plain(case, data, accelerator, warmup + steps + 1, trace)
     return trace.ops
 
 
