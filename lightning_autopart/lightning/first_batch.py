@@ -63,6 +63,8 @@ class PlanSettings:
     optimizer: str = "sgd"
     #: Training precision the cost model prices (Lightning's names: "32-true", "bf16-mixed", ...).
     precision: str | None = None
+    #: Trainer(accumulate_grad_batches): above 1, gradients live through every step (priced as such).
+    accumulate: int = 1
 
 
 def optimizer_kind(optimizers: Iterable[Any]) -> str:
@@ -359,6 +361,7 @@ def _make_plan(
                 num_stages=stages,
                 micro_batches=micro,
                 schedules=schedules,
+                persistent_grads=settings.accumulate > 1,
             )
         except (PlanError, ConfigError) as error:
             failure = error

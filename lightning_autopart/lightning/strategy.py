@@ -331,6 +331,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             self.save_plan,
             optimizer=optimizer_kind(self.optimizers),
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+            accumulate=trainer.accumulate_grad_batches,
         )
         with self.precision_plugin.forward_context():  # capture sees what the model will see (bf16-true...)
             return split_module(

@@ -125,6 +125,7 @@ def partition(
     schedules: Sequence[str] | None = None,
     max_micro_batches: int = 64,
     checkpointing: bool = True,
+    persistent_grads: bool = False,
 ) -> Plan:
     """The fastest plan for ``profile`` on ``cluster`` at global batch ``batch_size`` under the cost model.
 
@@ -138,6 +139,8 @@ def partition(
         schedules: schedules to consider (default all of :data:`~lightning_autopart.plan.SCHEDULES`).
         max_micro_batches: largest micro-batch count searched (ignored when ``micro_batches`` is given).
         checkpointing: allow activation checkpointing on stages that do not fit without it.
+        persistent_grads: gradients live through every step (accumulated over several steps), so no stage
+            is priced without them at its peak (see [Note: fresh gradients] in :mod:`.cost`).
 
     Raises:
         ConfigError: an invalid setting (the message names the value and what to use instead).
@@ -146,7 +149,7 @@ def partition(
     reps, scheds = _validate(
         profile, cluster, batch_size, num_stages, replicas, micro_batches, schedules, max_micro_batches
     )
-    tables = CostTables(profile, cluster)
+    tables = CostTables(profile, cluster, persistent_grads=persistent_grads)
     cons = Constraints(num_stages, reps, micro_batches, scheds, max_micro_batches, checkpointing)
     res = run_search(tables, batch_size, cons)
     if res.valid == 0:

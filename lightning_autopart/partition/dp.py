@@ -34,7 +34,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from itertools import pairwise
 
-from lightning_autopart.partition.cost import INF, Config, ConfigCosts, CostTables, in_flight
+from lightning_autopart.partition.cost import INF, Config, ConfigCosts, CostTables, fresh_stages, in_flight
 
 __all__ = ["Budget", "Relaxation", "solve", "solve_memory"]
 
@@ -67,8 +67,9 @@ class Relaxation:
         n0 = min(in_flight(cfg.schedule, cfg.stages, p, cfg.micro_batches) for p in (0, cfg.stages - 1))
         self.cap = tables.cap
         #: One micro-batch of activations: the bound used for the memory objective of :func:`solve_memory`.
-        self.pm = tables.memory_prefix(m, v, 1)
-        self.pm_off = tables.memory_prefix(m, v, n0)
+        fresh = any(fresh_stages(tables, cfg))  # gradients left out of the bounds where any stage may lack them
+        self.pm = tables.memory_prefix(m, v, 1, fresh)
+        self.pm_off = tables.memory_prefix(m, v, n0, fresh)
         self.cap_on = self.cap - v * n0 * min(at.stage_input) if checkpointing else -1
         self.ck = self.cap_on >= 0
         f2b = tables.fb_prefix(m, recompute=True) if self.ck else fb
@@ -238,7 +239,7 @@ def solve(
         k = s - 1
         jlo, jhi = bands[s]
         plo, phi = bands[s - 1]
-        infl = cc.in_flight[k]
+        infl, fresh = cc.in_flight[k], cc.fresh[k]
         pin, pout = cc.p2p_in[k], cc.p2p_out[k]
         coef, cst = cc.ar_coef[k], cc.ar_const[k]
         cur = [INF] * (n + 1)
@@ -268,9 +269,13 @@ def solve(
                 a_sum = paj - pa[i] + sh[i]
                 x = trans(i, j)
                 y = int(gr * yf)
-                if v * (st + max(x + infl * a_sum, y)) <= cap:
+                if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in cost.py)
+                    d_off, d_on = min(a_sum, gr, x), min(cin[i], gr, x)
+                else:
+                    d_off = d_on = 0
+                if v * (st + max(x + infl * a_sum - d_off, y)) <= cap:
                     t = fb + pin[i] + po
-                elif ck and v * (st + max(x + infl * cin[i] + a_sum, y)) <= cap:
+                elif ck and v * (st + max(x + infl * cin[i] + a_sum - d_on, y)) <= cap:
                     t = fb + f + pin[i] + po
                 else:
                     continue
@@ -314,7 +319,7 @@ def solve_memory(
     """
     n, nv = tables.num_blocks, cc.cfg.virtual_stages
     cap = tables.cap
-    pm = tables.memory_prefix(cc.m, cc.v, 1)
+    pm = tables.memory_prefix(cc.m, cc.v, 1, any(cc.fresh))
     room = int(tau * cap) + 1 if tau < INF else None
     hi = [0] * (nv + 1)
     pos = 0
@@ -343,7 +348,7 @@ def solve_memory(
     args: list[list[int]] = []
     plo, phi = 0, 0
     for s in range(1, nv + 1):
-        infl = cc.in_flight[s - 1]
+        infl, fresh = cc.in_flight[s - 1], cc.fresh[s - 1]
         cur = [INF] * (n + 1)
         arg = [-1] * (n + 1)
         first = last = -1
@@ -359,15 +364,16 @@ def solve_memory(
                 st = ps[j] - ps[i]
                 gr = pg[j] - pg[i]
                 a_sum = pa[j] - pa[i] + sh[i]
-                units = infl * a_sum
-                if ck:
-                    units = min(units, infl * cin[i] + a_sum)
                 if tied:
                     for tc in tied:
                         if i > tc.owner and tc.next_user[i] < j:
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                             gr += tc.grad_bytes
-                w = v * (st + max(units + trans(i, j), int(gr * yf))) / cap
+                x = trans(i, j)
+                units = infl * a_sum - (min(a_sum, gr, x) if fresh else 0)
+                if ck:
+                    units = min(units, infl * cin[i] + a_sum - (min(cin[i], gr, x) if fresh else 0))
+                w = v * (st + max(units + x, int(gr * yf))) / cap
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

@@ -135,7 +135,7 @@ def _prefix(values: list[int]) -> list[int]:
 class CostTables:
     """Prefix sums of one profile on one cluster; the tables of each micro-batch size are built once per size."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster) -> None:
+    def __init__(self, profile: ModelProfile, cluster: Cluster, *, persistent_grads: bool = False) -> None:
         if not profile.blocks:
             raise ConfigError("the profile has no blocks; capture the model again (it produced 0 blocks)")
         if profile.batch_size < 1:
@@ -160,9 +160,12 @@ class CostTables:
         #: Bytes the optimizer step allocates per byte of trainable parameters (its transient).
         self.opt_transient = optimizer_transient_factor(profile.optimizer)
         self.tied = _tied_copies(profile)
+        #: Gradients live through the whole step (accumulated over steps): none is ever fresh (see
+        #: [Note: fresh gradients] in :mod:`.cost`).
+        self.persistent_grads = persistent_grads
         self._sizes: dict[int, SizeTables] = {}
         self._fb: dict[tuple[int, bool], list[float]] = {}
-        self._mem: dict[tuple[int, int, int], list[int]] = {}
+        self._mem: dict[tuple[int, int, int, bool], list[int]] = {}
         self._p2p: dict[tuple[int, bool], list[float]] = {}
 
     def at(self, m: int) -> SizeTables:
@@ -207,13 +210,15 @@ class CostTables:
             self._fb[(m, recompute)] = got
         return got
 
-    def memory_prefix(self, m: int, v: int, held: int) -> list[int]:
+    def memory_prefix(self, m: int, v: int, held: int, fresh: bool = False) -> list[int]:
         """Prefix sums of ``v * (static + held * activation_bytes(m))``: a chunk's memory, ``held`` micro-batches
-        of activations in flight (transients not included: a lower bound of the stage's memory)."""
-        got = self._mem.get((m, v, held))
+        of activations in flight (transients not included: a lower bound of the stage's memory); with
+        ``fresh``, less the gradients, which a fresh stage may not hold at its peak (a lower bound still)."""
+        got = self._mem.get((m, v, held, fresh))
         if got is None:
             acts = self.at(m).acts
-            got = self._mem[(m, v, held)] = [v * (s + held * a) for s, a in zip(self.static, acts, strict=True)]
+            state = [s - g for s, g in zip(self.static, self.grads, strict=True)] if fresh else self.static
+            got = self._mem[(m, v, held, fresh)] = [v * (s + held * a) for s, a in zip(state, acts, strict=True)]
         return got
 
     def p2p(self, m: int, intra: bool) -> list[float]:

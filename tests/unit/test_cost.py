@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_autopart.cluster import Cluster
@@ -223,3 +225,34 @@ def test_evaluate_picks_faster_layout() -> None:
         evaluate(PROFILE, cl, 8, [0, 2, 3], 2, 2, "GPipe", lay) for lay in ("pipeline-major", "stage-major")
     ]
     assert ev.step_us == min(e.step_us for e in other if e is not None)
+
+
+def test_single_stage_holds_one_micro_batch() -> None:
+    # The runtime runs a 1-stage plan's micro-batches one after the other ([Note: one stage]).
+    assert in_flight("GPipe", 1, 0, 8) == 1
+
+
+def test_fresh_gradients_leave_the_peak() -> None:
+    # One replica, GPipe, S = 2, M = 4 (every micro-batch in flight at once): each stage's first backward starts
+    # without gradients, so the peak is M*u + X - min(u, grads, X) ([Note: fresh gradients]).
+    blocks = tuple(dataclasses.replace(b, transient_bytes=2 * b.activation_bytes) for b in PROFILE.blocks)
+    prof = dataclasses.replace(PROFILE, blocks=blocks)
+    cfg = Config(1, 2, 4, "GPipe")
+    fresh = evaluate_config(CostTables(prof, _cluster()), cfg, 4, (0, 2, 3), checkpointing=False)
+    kept = evaluate_config(
+        CostTables(prof, _cluster(), persistent_grads=True), cfg, 4, (0, 2, 3), checkpointing=False
+    )
+    # Stage 0 at m = 1: static 570, u = 800, grads 140, X = max(1000, 600) = 1000 -> 570 + 3200 + 1000 - 140.
+    assert kept.stages[0].memory_bytes == 570 + 4 * 800 + 1000
+    assert fresh.stages[0].memory_bytes == 570 + 4 * 800 + 1000 - 140
+    assert fresh.stages[0].transient_bytes == 1000 - 140
+    # Replicas keep their all-reduce buckets, so their gradients always exist.
+    tables = CostTables(prof, _cluster())
+    two = evaluate_config(tables, Config(2, 1, 2, "GPipe"), 4, (0, 3), checkpointing=False)
+    assert two.stages[0].memory_bytes == 810 + 1200 + 1000  # one micro-batch of 1200 bytes at a time
+    # 1F1B with more micro-batches than in flight: each stage runs a forward after its first backward.
+    ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3), checkpointing=False)
+    assert [s.memory_bytes for s in ev.stages] == [570 + 2 * 800 + 1000, 240 + 400 + 800]
+    # One stage, one micro-batch: plain training; the gradients are made during its only backward.
+    one = evaluate_config(tables, Config(1, 1, 1, "GPipe"), 2, (0, 3), checkpointing=False)
+    assert one.stages[0].memory_bytes == 810 + 2 * 1200 + 2000 - 200

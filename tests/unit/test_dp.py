@@ -106,8 +106,8 @@ def _curves(draw: st.DrawFn, b0: int) -> tuple[tuple[int, float, float, int, int
 @st.composite
 def instances(
     draw: st.DrawFn, pipeline: bool = False
-) -> tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool]:
-    """Random small instances; ``pipeline`` biases them towards deep pipelines (equal layers, slow all-reduce)."""
+) -> tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool, bool]:
+    """Random small instances (the last two fields: checkpointing allowed, gradients persistent); ``pipeline`` biases them towards deep pipelines (equal layers, slow all-reduce)."""
     n = draw(st.sampled_from([4, 6, 7]) if pipeline else st.integers(1, 7))
     b0 = draw(st.sampled_from([1, 2, 4]))
     blocks = []
@@ -188,10 +188,11 @@ def instances(
     both = ("1F1B", "Interleaved1F1B")
     extra: tuple[str, ...] = draw(st.sampled_from([(), ("1F1B",), ("Interleaved1F1B",), both, both]))
     schedules = ("GPipe", *both) if pipeline else ("GPipe", *extra)
-    return profile, cluster, batch, schedules, draw(st.integers(4 if pipeline else 1, 8)), draw(st.booleans())
+    max_mb = draw(st.integers(4 if pipeline else 1, 8))
+    return profile, cluster, batch, schedules, max_mb, draw(st.booleans()), draw(st.booleans())
 
 
-Case = tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool]
+Case = tuple[ModelProfile, Cluster, int, tuple[str, ...], int, bool, bool]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -208,8 +209,8 @@ def test_planner_matches_brute_force_on_pipeline_friendly_instances(case: Case) 
 
 def _check_against_brute_force(case: Case) -> None:
     """The planner's step time equals the brute-force optimum, and both agree on feasibility."""
-    profile, cluster, batch, schedules, max_mb, ck = case
-    tables = CostTables(profile, cluster)
+    profile, cluster, batch, schedules, max_mb, ck, persistent = case
+    tables = CostTables(profile, cluster, persistent_grads=persistent)
     want, cfg, bounds = brute_force(tables, batch, schedules, max_mb, ck)
     event(f"blocks={profile.num_blocks}")
     event(f"feasible={want < INF}")
@@ -218,7 +219,13 @@ def _check_against_brute_force(case: Case) -> None:
         event(f"schedule={cfg.schedule}")
     try:
         plan = partition(
-            profile, cluster, batch, schedules=schedules, max_micro_batches=max_mb, checkpointing=ck
+            profile,
+            cluster,
+            batch,
+            schedules=schedules,
+            max_micro_batches=max_mb,
+            checkpointing=ck,
+            persistent_grads=persistent,
         )
     except PlanError as err:
         assert want == INF, f"planner found nothing, brute force found {want} with {cfg} {bounds}"
