@@ -22,6 +22,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.causal import fold_causal_masks
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.outputs import flat_forward
 from lightning_autopart.capture.portable import ModeSwitch, home_device, make_portable
@@ -42,6 +43,8 @@ def capture_export(
         ep = torch.export.export(module, args, kwargs, strict=False)
     cls = type(module).__name__
     attrs, canonical, user_inputs = _lifted(ep, module)
+    # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).
+    fold_causal_masks(ep.graph, {n: v[2] for n, v in attrs.items() if n.op == "placeholder"})
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     for spec in ep.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
