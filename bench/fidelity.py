@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import sys
+import time
 import types
 import warnings
 from collections.abc import Callable
@@ -211,21 +212,75 @@ def _fit_plain(
     _free(cuda)
 
 
+class PhaseClock(StepClock):
+    """A :class:`StepClock` that also marks each timed step's forward (to ``on_before_backward``), backward (to
+    ``on_after_backward``) and optimizer step (``on_before_optimizer_step`` to ``on_train_batch_end``), to set
+    against the prediction's parts."""
+
+    _PHASES = ("before_backward", "after_backward", "before_optimizer", "batch_end")
+
+    def __init__(self, warmup: int, steps: int, cuda: bool) -> None:
+        super().__init__(warmup, steps, cuda)
+        self.phase_marks: list[dict[str, Any]] = []
+
+    def _mark(self, trainer: L.Trainer, phase: str) -> None:
+        if not self.warmup <= trainer.global_step < self.warmup + self.steps or not self.phase_marks:
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.phase_marks[-1][phase] = event
+        else:
+            self.phase_marks[-1][phase] = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.warmup <= batch_idx < self.warmup + self.steps:
+            self.phase_marks.append({"start": self.marks[-1]})
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: Tensor) -> None:
+        self._mark(trainer, "before_backward")
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._mark(trainer, "after_backward")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self._mark(trainer, "before_optimizer")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self._mark(trainer, "batch_end")
+
+    def phase_ms(self) -> dict[str, float]:
+        """Median milliseconds of forward (with the loss), backward and the optimizer step over the timed steps."""
+
+        def span(a: Any, b: Any) -> float:
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+        spans: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+        for m in self.phase_marks:
+            if all(k in m for k in self._PHASES):
+                spans["forward"].append(span(m["start"], m["before_backward"]))
+                spans["backward"].append(span(m["before_backward"], m["after_backward"]))
+                spans["optimizer"].append(span(m["before_optimizer"], m["batch_end"]))
+        return {k: statistics.median(v) for k, v in spans.items() if v}
+
+
 def measure_run(
     case: FidelityCase, data: Dataset[Any], *, accelerator: str, warmup: int, steps: int
 ) -> dict[str, Any]:
-    """Train ``case`` with plain Lightning; its median step (ms), raw peak bytes (GPU) and every step time."""
+    """Train ``case`` with plain Lightning; its median step (ms), raw peak bytes (GPU), every step time and the
+    median forward, backward and optimizer phases (ms)."""
     cuda = accelerator == "gpu"
     _free(cuda)
     before = torch.cuda.memory_allocated() if cuda else 0
-    clock = StepClock(warmup, steps, cuda)
+    clock = PhaseClock(warmup, steps, cuda)
     _fit_plain(case, data, accelerator, warmup + steps + 1, clock)
     seconds = clock.step_seconds()
     if len(seconds) != steps:
         raise RuntimeError(f"{case.name}: timed {len(seconds)} steps, expected {steps}")
     peak = clock.peak if cuda else None
     return {"step_ms": statistics.median(seconds) * 1e3, "peak_bytes": peak, "before_bytes": before,
-            "steps_s": seconds}  # fmt: skip
+            "steps_s": seconds, "phases_ms": clock.phase_ms()}  # fmt: skip
 
 
 class _OpTrace(L.Callback):
@@ -295,6 +350,7 @@ def predict(case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory:
     from lightning_autopart.cluster import Cluster
     from lightning_autopart.errors import PlanError
     from lightning_autopart.partition import partition
+    from lightning_autopart.profile.records import cost_at
 
     on_meta, meta_error = mode == "estimate", None
     try:
@@ -315,8 +371,15 @@ def predict(case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory:
             raise
         plan, fits = error.closest, False
     p = plan.prediction
+    at = [cost_at(b, case.batch, prof.batch_size) for b in prof.blocks]
     return {
         "step_ms": p.step_us / 1e3,
+        "phases_ms": {
+            "forward": sum(c.fwd_us for c in at) / 1e3,
+            "backward": sum(c.bwd_us for c in at) / 1e3,
+            "optimizer": sum(b.optimizer_us for b in prof.blocks) / 1e3,
+        },
+        "blocks": [(b.name, round(c.fwd_us, 1), round(c.bwd_us, 1)) for b, c in zip(prof.blocks, at, strict=True)],
         "peak_bytes": p.peak_memory_bytes,
         "fits": fits,
         "on_meta": on_meta,
