@@ -15,6 +15,7 @@ later autopart runs load it (``load_plan``): every run has the same cut.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -75,6 +76,8 @@ def _autopart(warmup: int, steps: int, plan_path: str, load: bool) -> None:
             "predicted_step_s": plan.prediction.step_us / 1e6,
             "schedule": plan.schedule,
             "cut": [list(s.blocks) for s in plan.stages],
+            "prediction": dataclasses.asdict(plan.prediction),
+            "stages_us": [(s.fwd_us, s.bwd_us, s.p2p_us, s.optimizer_us) for s in plan.stages],
         }
         print("RESULT " + json.dumps(result))
     sys.stdout.flush()
@@ -241,6 +244,9 @@ def main() -> None:
         f"\nautopart step time: measured {measured * 1e3:.1f} ms (median), plan predicted "
         f"{predicted * 1e3:.1f} ms: measured / predicted = **{measured / predicted:.2f}**"
     )
+    parts = {k: round(v / 1e3, 2) for k, v in first["prediction"].items() if k.endswith("_us")}
+    stages = [[round(x / 1e3, 2) for x in s] for s in first["stages_us"]]
+    print(f"predicted parts (ms): {parts}; per stage (fwd, bwd, p2p per micro-batch; optimizer): {stages}")
 
 
 def _port() -> int:

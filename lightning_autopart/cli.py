@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_autopart.capture import capture
 from lightning_autopart.cluster import Cluster
-from lightning_autopart.devices import device_spec
+from lightning_autopart.devices import DeviceSpec
 from lightning_autopart.errors import AutopartError, CheckpointError, ConfigError
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan, with_planning_time
@@ -386,10 +386,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _local_spec() -> str:
-    """Name of the spec closest to this machine's device (for cluster bandwidths when measuring)."""
-    if torch.cuda.is_available():
-        from lightning_autopart.profile import resolve_spec
+def _local_spec() -> str | DeviceSpec:
+    """The spec closest to this machine's device (for cluster bandwidths when measuring); on CPU the probed one,
+    whose host overheads are this machine's."""
+    from lightning_autopart.profile import calibrate_cpu, resolve_spec
 
+    if torch.cuda.is_available():
         return resolve_spec(None, torch.device("cuda", torch.cuda.current_device())).name
-    return device_spec("cpu").name
+    return calibrate_cpu()

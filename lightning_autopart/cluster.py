@@ -82,6 +82,11 @@ class Cluster:
     memory_reserve: float = 0.1
     #: Device spec name these figures come from ("custom" when given by hand).
     device: str = "custom"
+    #: Host time per pipeline action and per training step, microseconds (see :class:`DeviceSpec`).
+    action_us: float = 0.0
+    step_us: float = 0.0
+    #: Whether host time hides behind device time (True) or adds to it (False: CPU).
+    async_host: bool = True
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -93,6 +98,16 @@ class Cluster:
             raise ConfigError(f"device memory must be positive, got {self.device_memory_bytes} bytes")
         if not 0.0 <= self.memory_reserve < 1.0:
             raise ConfigError(f"memory_reserve must be in [0, 1), got {self.memory_reserve}")
+        if self.action_us < 0 or self.step_us < 0:
+            raise ConfigError(
+                f"host overheads must be >= 0 microseconds, got action_us={self.action_us}, step_us={self.step_us}"
+            )
+
+    @property
+    def step_host_us(self) -> float:
+        """The step's fixed host work that adds to the step time: ``step_us`` where the host does the math;
+        none where it runs ahead of the device, whose queue of kernels covers it."""
+        return 0.0 if self.async_host else self.step_us
 
     @property
     def world_size(self) -> int:
@@ -131,6 +146,9 @@ class Cluster:
             latency_us=s.latency_us,
             memory_reserve=memory_reserve,
             device=s.name,
+            action_us=s.action_us,
+            step_us=s.step_us,
+            async_host=s.async_host,
         )
 
     def to_dict(self) -> dict[str, Any]:

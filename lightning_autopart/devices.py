@@ -68,6 +68,16 @@ class DeviceSpec:
     sm_count: int = 1
     #: Dense peak FLOP/s of float32 matrix products on TF32 tensor cores; 0 where there are none (V100, CPU).
     tf32_flops: float = 0.0
+    #: Host time of one pipeline action (a stage's forward or backward of one micro-batch) beyond its math:
+    #: the schedule's bookkeeping, autograd's entry, posting and completing the action's sends and receives
+    #: (an estimate for GPU hosts; the CPU probe measures it, see [Note: host overhead] in partition/cost.py).
+    action_us: float = 100.0
+    #: Host time of one training step outside the pipeline: the loss's broadcast and the stop check (priced
+    #: only where the host does the math, ``async_host=False``).
+    step_us: float = 300.0
+    #: Whether the host runs ahead of the device (queued kernels), so host time hides behind device time;
+    #: False where the host does the math itself (CPU): host and math then add up.
+    async_host: bool = True
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for a parameter/compute dtype name ("float32", "bfloat16", "float16")."""
@@ -163,6 +173,7 @@ _SPECS: dict[str, DeviceSpec] = {
             flops_efficiency=1.0,
             bw_efficiency=1.0,
             devices_per_node=2,
+            async_host=False,
         ),
     )
 }

@@ -18,6 +18,7 @@ from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import AutopartError, ConfigError, PlanError
 from lightning_autopart.lightning.hooks import ForwardCall
 from lightning_autopart.lightning.input_checks import check_stages, empty_loader_message
+from lightning_autopart.lightning.load import planning_load
 from lightning_autopart.lightning.ragged import coupled_message, coupled_modules
 from lightning_autopart.lightning.reuse import (
     LoadedPlan,
@@ -208,13 +209,15 @@ def plan_for_batch(
     """
     result: list[Any] = [None]
     loaded: LoadedPlan | None = None
-    if rank == 0:
-        try:
-            made = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device, loss)
-            loaded = made if isinstance(made, LoadedPlan) else None
-            result[0] = made.plan if isinstance(made, LoadedPlan) else made
-        except Exception as error:  # sent to every rank, then raised everywhere
-            result[0] = error
+    measured = settings.profile == "measure" and not settings.load_plan
+    with planning_load(rank, world_size, world_size // max(1, num_nodes), device, measured):
+        if rank == 0:
+            try:
+                made = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device, loss)
+                loaded = made if isinstance(made, LoadedPlan) else None
+                result[0] = made.plan if isinstance(made, LoadedPlan) else made
+            except Exception as error:  # sent to every rank, then raised everywhere
+                result[0] = error
     if dist.is_available() and dist.is_initialized() and world_size > 1:
         dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], BaseException):
@@ -312,6 +315,7 @@ def _make_plan(
     """Capture, profile and partition ``root`` (the plan records how long that took), or load ``load_plan``."""
     from lightning_autopart.partition import partition
     from lightning_autopart.planner import profile_model
+    from lightning_autopart.profile import calibrate_cpu
 
     if world_size % num_nodes:
         raise ConfigError(
@@ -323,8 +327,12 @@ def _make_plan(
     start = time.perf_counter()
     check_stages(settings.num_stages, world_size)
     spec = _spec(device, settings.profile)
+    # "cpu": the probed spec, whose host overheads are this machine's ([Note: host overhead] in cost.py).
     cluster = Cluster.from_spec(
-        spec, devices=world_size // num_nodes, nodes=num_nodes, device_memory=settings.device_memory
+        calibrate_cpu() if spec == "cpu" else spec,
+        devices=world_size // num_nodes,
+        nodes=num_nodes,
+        device_memory=settings.device_memory,
     )
     prof = profile_model(
         root,

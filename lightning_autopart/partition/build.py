@@ -78,6 +78,7 @@ def build_plan(
         samples_per_s=batch_size / (step / 1e6) if step > 0 else float("inf"),
         peak_memory_bytes=ev.peak_memory_bytes,
         optimizer_us=v * bn.optimizer_us,
+        host_us=v * mb * bn.host_us + cluster.step_host_us,
     )
     ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
     notes = dict(notes)

@@ -27,9 +27,11 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
                                                               micro-batch at a time)
     checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
     p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
-    t = F + Bw + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
+    h = 2 * action_us                                           (host time of a micro-batch's two actions)
+    C = F + Bw + h (host does the math: CPU) | max(F + Bw, h) (host runs ahead of the device)
+    t = C + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
     a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
-    w = K * t + v * (a + O),   K = v*M + S - 1
+    w = K * t + v * (a + O) + H,   K = v*M + S - 1,   H = step_us (0 where the host runs ahead)
 
 [Note: fresh gradients] ``fresh`` holds for a stage whose gradients do not exist while it holds its
 activations at their peak: one replica (replicas keep persistent all-reduce buckets), one chunk, gradients
@@ -43,9 +45,17 @@ in bf16-mixed from 1.14 and 1.10 to 1.08 and 1.03 of the measured one.
 
 and the step time of a partition is ``T = max over virtual stages of w`` (a synchronous clock: every tick lasts
 as long as the slowest stage; a stage's all-reduce follows its last backward, its optimizer step follows that).
-Links and all-reduce groups are intra- or inter-node per the rank layout (:mod:`.placement`). A device's peak
-memory is the sum over the chunks it holds (one chunk unless interleaved). Memory is compared in exact integer
-bytes (``v * memory <= usable``), so feasibility never depends on rounding.
+``action_us`` (per forward or backward action of a stage: the schedule's bookkeeping, autograd's entry, posting
+and completing its messages) and ``step_us`` (per step, outside the pipeline: the loop, hooks, the loss's
+broadcast) are the cluster's host overheads (see [Note: host overhead] On CPU (gloo) the host runs every action itself: a 2-stage MLP step measured 23 ms against
+14 ms of math and messages priced, the rest being ~80 us of torch.distributed.pipelining bookkeeping and 0.2-0.3
+ms of gloo posting per action, the stage's math slowed by the other rank sharing the cores, and ~3-5 ms of
+Lightning's per-step work. The CPU probe measures the per-action and per-step host time
+(:func:`~lightning_autopart.profile.calibrate.probe_host`), and on CPUs the profile and the probe run while the
+other ranks of the machine compute ([Note: planning under load] in :mod:`lightning_autopart.lightning.load`).
+Lightning's own loop (data fetch, hooks, replayed ``self.log``) is the user's code and is not priced. GPU specs
+carry estimates (not measured on a GPU: a one-GPU machine runs no pipeline); there a micro-batch's host time
+counts only where it exceeds the device's, and the step's fixed work hides behind the queued kernels.
 
 :func:`evaluate` scores any given partition with exactly these formulas; the DP (:mod:`.dp`) evaluates the
 same expressions in the same order, so its optimum and a brute force over :func:`evaluate` agree.
@@ -180,6 +190,10 @@ class ConfigCosts:
     p2p_out: list[list[float]] = field(default_factory=list)
     ar_coef: list[float] = field(default_factory=list)
     ar_const: list[float] = field(default_factory=list)
+    #: Host time of one micro-batch's two actions, whether it adds to the math (CPU), and the step's host time.
+    host: float = 0.0
+    host_adds: bool = False
+    step_host: float = 0.0
     #: Per virtual stage: its gradients do not exist at its activations' peak (see [Note: fresh gradients]).
     fresh: list[bool] = field(default_factory=list)
 
@@ -198,6 +212,7 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.p2p_out = out * v
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
+    cc.host, cc.host_adds, cc.step_host = 2 * cl.action_us, not cl.async_host, cl.step_host_us
     if r == 1:
         cc.ar_coef = [0.0] * (s * v)
         cc.ar_const = [0.0] * (s * v)
@@ -224,7 +239,9 @@ class StageCost:
     allreduce_us: float
     #: The optimizer step over the stage's parameters, once per step.
     optimizer_us: float
-    #: Per-micro-batch time ``t`` and the stage's step-time term ``w = K*t + v*(a + O)``.
+    #: Host time per micro-batch not hidden behind the math (``C - F - Bw``, see [Note: host overhead]).
+    host_us: float
+    #: Per-micro-batch time ``t`` and the stage's step-time term ``w = K*t + v*(a + O) + H``.
     time_us: float
     term_us: float
     param_bytes: int
@@ -268,12 +285,14 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     f = pf[j] - pf[i]
     fb = f + (pb[j] - pb[i])
     comp = fb + f if ck else fb
+    host = cc.host
+    busy = comp + host if cc.host_adds else (comp if comp > host else host)
     pin = cc.p2p_in[k][i]
     pout = cc.p2p_out[k][j]
-    t = comp + pin + pout
+    t = busy + pin + pout
     a = cc.ar_coef[k] * grad + cc.ar_const[k] if cc.cfg.replicas > 1 else 0.0
     opt = tables.opt_us[j] - tables.opt_us[i] + tables.tied_optimizer_us(i, j)
-    w = cc.ticks * t + v * (a + opt)
+    w = cc.ticks * t + v * (a + opt) + cc.step_host
     buf = tables.buffers[j] - tables.buffers[i]
     return StageCost(
         index=k,
@@ -286,6 +305,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         p2p_us=pin + pout,
         allreduce_us=a,
         optimizer_us=opt,
+        host_us=busy - comp,
         time_us=t,
         term_us=w,
         param_bytes=tables.params[j] - tables.params[i] + tp,

@@ -49,11 +49,12 @@ class Relaxation:
     With ``n0`` the fewest in-flight micro-batches of any position and ``c0`` the smallest stage input, a stage
     of blocks ``[i, j)`` with term ``w <= tau`` lies in one of two families:
 
-    - plain: ``static + n0*sum a_k <= limit`` and ``K*(F + Bw) + v*(a_min + O) <= tau``;
-    - checkpointed: ``static + sum a_k + n0*c0 <= limit`` and ``K*(2F + Bw) + v*(a_min + O) <= tau``;
+    - plain: ``static + n0*sum a_k <= limit`` and ``K*(F + Bw + h0) + v*(a_min + O) + H <= tau``;
+    - checkpointed: ``static + sum a_k + n0*c0 <= limit`` and ``K*(2F + Bw + h0) + v*(a_min + O) + H <= tau``;
 
-    where ``a_min`` is the all-reduce at the best bandwidth the replica count allows (backward's transient, a
-    range maximum, is left out: the bounds stay lower bounds). Every quantity is a prefix difference
+    where ``h0`` is the micro-batch's host time where it adds to the math (0 where it may hide behind it),
+    ``H`` the step's host time, ``a_min`` the all-reduce at the best bandwidth the replica count allows
+    (backward's transient, a range maximum, is left out: the bounds stay lower bounds). Every quantity is a prefix difference
     (``pm_off``/``pm_on`` for memory, ``pr_off``/``pr_on`` for time, ``R = scale*diff + const``), so each family
     is monotone under interval containment, and so is their union.
     """
@@ -91,6 +92,8 @@ class Relaxation:
             self.const = 0.0
             self.pr = [kk * a + v * o for a, o in zip(fb, opt, strict=True)]
             self.pr_on = [kk * a + v * o for a, o in zip(f2b, opt, strict=True)] if self.ck else self.pr
+        # Host overheads: the step's, and where the host does the math the micro-batches' (w only grows by them).
+        self.const += cl.step_host_us + (kk * 2 * cl.action_us if not cl.async_host else 0.0)
         self.scale = 1.0
         self.num_blocks = tables.num_blocks
         self.num_stages = cfg.virtual_stages
@@ -229,6 +232,7 @@ def solve(
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
+    host, adds, stp = cc.host, cc.host_adds, cc.step_host
     multi = cc.cfg.replicas > 1
     # The largest finite value a cell may take: unreachable states (INF) then fail ``pv > lim`` at once.
     top = tau if tau < INF else _HUGE
@@ -274,12 +278,14 @@ def solve(
                 else:
                     d_off = d_on = 0
                 if v * (st + max(x + infl * a_sum - d_off, y)) <= cap:
-                    t = fb + pin[i] + po
+                    comp = fb
                 elif ck and v * (st + max(x + infl * cin[i] + a_sum - d_on, y)) <= cap:
-                    t = fb + f + pin[i] + po
+                    comp = fb + f
                 else:
                     continue
-                w = kk * t + v * (coef * gr + cst + opt) if multi else kk * t + v * opt
+                busy = comp + host if adds else (comp if comp > host else host)
+                t = busy + pin[i] + po
+                w = (kk * t + v * (coef * gr + cst + opt) if multi else kk * t + v * opt) + stp
                 if w < pv:
                     w = pv
                 if w <= lim and w < best:

@@ -130,6 +130,7 @@ def enumerate_configs(
     total_static = tables.static[-1]
     total_grad = tables.grads[-1]
     lat = cl.latency_us
+    host_lb = 0.0 if cl.async_host else 2 * cl.action_us  # host time that adds to every micro-batch's math
     best_p2p = max(cl.intra_node_bw, cl.inter_node_bw) if cl.devices_per_node > 1 else cl.inter_node_bw
     block_mem = [s - p for p, s in pairwise(tables.static)]
     total_opt = tables.opt_us[-1]
@@ -176,7 +177,7 @@ def enumerate_configs(
                     k = v * mb + s - 1
                     avg = total / nv + (2 * (nv - 1) / nv) * p2p_min
                     lb = k * avg + v * total_opt / nv + (v * (ar_total / nv + ar_lat) if r > 1 else 0.0)
-                    lb = max(lb, k * big)
+                    lb = max(lb, k * big) + host_lb * k + cl.step_host_us
                     entries.append((lb, s, r, mb, si))
     return entries, valid, infeasible
 

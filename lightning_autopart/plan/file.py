@@ -113,6 +113,8 @@ class Prediction:
     peak_memory_bytes: int
     #: Optimizer step of the bottleneck stage, after its all-reduce.
     optimizer_us: float = 0.0
+    #: Host time not hidden behind the math: the bottleneck's per-action overheads and the step's fixed work.
+    host_us: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,7 @@ def _summary(plan: Plan) -> Table:
         ("p2p", p.p2p_us),
         ("all-reduce", p.allreduce_us),
         ("optimizer", p.optimizer_us),
+        *([("host", p.host_us)] if p.host_us else []),
     ]
     shares = " + ".join(f"{name} {format_ms(us)}{_share(us, p.step_us)}" for name, us in parts)
     grid.add_row("Step time", Text.assemble((f"{format_ms(p.step_us)} ms", "bold"), f" = {shares}"))

@@ -184,6 +184,10 @@ def instances(
         inter_allreduce_bw=ar_scale * draw(st.floats(0.1, 10.0)),
         latency_us=draw(st.floats(0.0, 2.0 if pipeline else 50.0)),
         memory_reserve=0.0,
+        # Host overheads: none, or per action and per step, adding to the math (CPU) or hidden behind it.
+        action_us=draw(st.sampled_from([0.0, 0.0, 5.0, 300.0])),
+        step_us=draw(st.sampled_from([0.0, 40.0])),
+        async_host=draw(st.booleans()),
     )
     both = ("1F1B", "Interleaved1F1B")
     extra: tuple[str, ...] = draw(st.sampled_from([(), ("1F1B",), ("Interleaved1F1B",), both, both]))

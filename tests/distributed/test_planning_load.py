@@ -1,0 +1,26 @@
+"""Planning under load ([Note: planning under load] in lightning_autopart/lightning/load.py): while rank 0
+plans on CPUs, the other ranks of its machine compute; ranks elsewhere, and every rank without a measured
+profile, only wait."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed._load_worker import PLANNING_S
+from tests.distributed.launch import run_job
+
+pytestmark = pytest.mark.distributed
+
+
+def test_rank_zeros_machine_is_busy_while_it_plans(tmp_path: Path) -> None:
+    code, log = run_job([str(Path(__file__).with_name("_load_worker.py")), str(tmp_path)], 3, "torchrun", 90)
+    assert code == 0, log[-4000:]
+    cpu = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    # Rank 1 shares rank 0's machine (2 ranks per machine): it computed for most of rank 0's planning.
+    assert cpu[1]["loaded"] > 0.4 * PLANNING_S, cpu
+    # Rank 2 is on another machine, and nobody loads without a measured profile.
+    assert cpu[2]["loaded"] < 0.3 * PLANNING_S, cpu
+    assert all(c["idle"] < 0.3 * PLANNING_S for c in cpu), cpu
