@@ -46,8 +46,13 @@ in bf16-mixed from 1.14 and 1.10 to 1.08 and 1.03 of the measured one.
 and the step time of a partition is ``T = max over virtual stages of w`` (a synchronous clock: every tick lasts
 as long as the slowest stage; a stage's all-reduce follows its last backward, its optimizer step follows that).
 ``action_us`` (per forward or backward action of a stage: the schedule's bookkeeping, autograd's entry, posting
-and completing its messages) and ``step_us`` (per step, outside the pipeline: the loop, hooks, the loss's
-broadcast) are the cluster's host overheads (see [Note: host overhead] On CPU (gloo) the host runs every action itself: a 2-stage MLP step measured 23 ms against
+and completing its messages) and ``step_us`` (per step, outside the pipeline: the loss's broadcast, the stop
+check) are the cluster's host overheads (see [Note: host overhead]). Links and all-reduce groups are intra- or
+inter-node per the rank layout (:mod:`.placement`). A device's peak memory is the sum over the chunks it holds
+(one chunk unless interleaved). Memory is compared in exact integer bytes (``v * memory <= usable``), so
+feasibility never depends on rounding.
+
+[Note: host overhead] On CPU (gloo) the host runs every action itself: a 2-stage MLP step measured 23 ms against
 14 ms of math and messages priced, the rest being ~80 us of torch.distributed.pipelining bookkeeping and 0.2-0.3
 ms of gloo posting per action, the stage's math slowed by the other rank sharing the cores, and ~3-5 ms of
 Lightning's per-step work. The CPU probe measures the per-action and per-step host time
