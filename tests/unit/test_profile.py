@@ -16,7 +16,7 @@ from torch import nn
 from lightning_autopart.capture.graph import Block, CapturedModel, TensorInfo
 from lightning_autopart.devices import device_spec
 from lightning_autopart.errors import ConfigError, ProfileError
-from lightning_autopart.profile import calibrate_cpu, merge_profiles, profile, profiled_blocks
+from lightning_autopart.profile import calibrate_cpu, measure, merge_profiles, profile, profiled_blocks
 from lightning_autopart.profile.gemms import Gemm
 from lightning_autopart.profile.opcount import Roofline
 from lightning_autopart.profile.records import ModelProfile, TiedParam
@@ -252,15 +252,32 @@ class SleepyProgram(nn.Module):
         return (self.lin(x),)
 
 
-def test_repeats_take_the_median() -> None:
+def _sleepy(schedule: list[float]) -> CapturedModel:
     cap = chain(nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2))
     cap.blocks[0].program = SleepyProgram()
     SleepyProgram.calls = 0
-    # counting run, two warmup runs, then five timed runs with one 80 ms outlier
-    SleepyProgram.schedule = [0.0, 0.0, 0.0, 0.004, 0.080, 0.004, 0.004, 0.004]
-    prof = profile_cpu(cap, warmup=2, repeats=5)
-    assert SleepyProgram.calls == 1 + 2 + 5
-    assert 3_500 < prof.blocks[0].fwd_us < 30_000  # the mean would be 19.2 ms; allow a loaded machine
+    SleepyProgram.schedule = schedule
+    return cap
+
+
+def test_host_rounds_go_on_until_they_span_the_budget() -> None:
+    """[Note: host timing statistic]: fast rounds continue to 30; rounds past 0.3 s stop at ``repeats``."""
+    profile_cpu(_sleepy([]), warmup=2, repeats=5)
+    assert SleepyProgram.calls == 1 + 2 + measure._MAX_HOST_ROUNDS  # counting run, warm-up, timed rounds
+    profile_cpu(_sleepy([0.0, 0.0, 0.0] + [0.07] * 40), warmup=2, repeats=5)
+    assert SleepyProgram.calls == 1 + 2 + 5  # 5 x 70 ms already span 0.3 s
+
+
+def test_host_times_are_the_mean_of_the_middle_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(measure, "_MAX_HOST_ROUNDS", 10)
+    # One 80 ms stall among 4 ms rounds is dropped (the plain mean would be 11.6 ms).
+    prof = profile_cpu(_sleepy([0.0] * 3 + [0.080] + [0.004] * 9), warmup=2, repeats=5)
+    assert SleepyProgram.calls == 1 + 2 + 10
+    assert 3_500 < prof.blocks[0].fwd_us < 9_000
+    # A slow phase that lasts (3 of 10 rounds at 10 ms, 7 at 2 ms) counts, as it does in training: the median
+    # says 2 ms, the mean of the middle 8 rounds 4 ms.
+    prof = profile_cpu(_sleepy([0.0] * 3 + [0.002, 0.010] * 3 + [0.002] * 4), warmup=2, repeats=5)
+    assert 3_500 < prof.blocks[0].fwd_us < 7_000
 
 
 def test_live_model_untouched() -> None:
