@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +18,7 @@ from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import AutopartError, ConfigError, PlanError
 from lightning_autopart.lightning.hooks import ForwardCall
 from lightning_autopart.lightning.input_checks import check_stages, empty_loader_message
-from lightning_autopart.lightning.load import planning_load
-from lightning_autopart.lightning.ragged import coupled_message, coupled_modules
+from lightning_autopart.lightning.load import PlanningProbe, planning_load
 from lightning_autopart.lightning.reuse import (
     LoadedPlan,
     capture_at_micro_batch,
@@ -36,7 +35,6 @@ from lightning_autopart.runtime.topology import place
 __all__ = [
     "PlanSettings",
     "capture_for_plan",
-    "check_even_batches",
     "choose_micro_batches",
     "first_batch",
     "keep_local",
@@ -119,61 +117,6 @@ _LOOPS = {
 }
 
 
-def check_even_batches(trainer: Any, hook: str, replicas: int) -> None:
-    """Refuse, before any work, loaders whose last batch per replica would be smaller than the others when
-    the pipelined model normalises over the batch in that loop (BatchNorm training, or without running
-    statistics): a smaller batch is padded to the planned shape (see [Note: ragged batches]), which would
-    change its statistics, and the ragged batch would otherwise fail only at the end of an epoch. Other
-    loaders may be ragged."""
-    val = trainer.fit_loop.epoch_loop.val_loop
-    sources = {
-        "training_step": [("train", trainer.fit_loop), ("val", val)],
-        "validation_step": [("val", trainer.validate_loop)],
-        "test_step": [("test", trainer.test_loop)],
-        "predict_step": [("predict", trainer.predict_loop)],
-    }[hook]
-    steps = getattr(getattr(trainer, "strategy", None), "_steps", None)  # the partition made in setup
-    module = steps.root() if steps is not None else getattr(trainer, "lightning_module", None)
-    if module is None:
-        return
-    batchless: list[str] = list(getattr(steps, "batchless", []))
-    micro = steps.runner.plan.micro_batch_size if steps is not None else 0
-    for name, loop in sources:
-        coupled = coupled_modules(module, evaluation=name != "train")
-        if not (coupled or batchless) or not loop._data_source.is_defined():
-            continue
-        loaders = loop._data_source.dataloader()
-        if isinstance(loaders, Mapping):
-            loaders = list(loaders.values())
-        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
-            _check_even(name, loader, replicas, coupled, batchless, micro)
-
-
-def _check_even(
-    name: str, loader: Any, replicas: int, coupled: list[str], batchless: list[str], micro: int
-) -> None:
-    batch, dataset = getattr(loader, "batch_size", None), getattr(loader, "dataset", None)
-    if not batch or getattr(loader, "drop_last", True) or not isinstance(dataset, Sized):
-        return
-    per_replica = -(-len(dataset) // replicas)  # Lightning's DistributedSampler pads to equal shards
-    last = per_replica % batch
-    if not last or not (coupled or (batchless and micro and last % micro)):
-        return
-    fix = f"pass drop_last=True, or make the dataset length a multiple of {batch * replicas}"
-    why = (
-        coupled_message(coupled, fix)
-        if coupled
-        else f"autopart pads it to the planned shape, but the model's outputs {', '.join(batchless)} have no "
-        f"batch dimension (a loss computed inside the model), so a micro-batch of {last % micro} real samples "
-        f"and {micro - last % micro} padded ones would change them: compute the loss in the step from "
-        f"per-sample outputs (logits), or {fix}"
-    )
-    raise ConfigError(
-        f"the {name} loader's last batch per replica holds {last} samples, not {batch} "
-        f"({len(dataset)} samples over {replicas} replica(s), batch_size={batch}); " + why
-    )
-
-
 def choose_micro_batches(requested: int | None, local_batch: int) -> int | None:
     """``requested``, or the largest divisor of ``local_batch`` below it (with a warning); None stays None."""
     if requested is None or local_batch % requested == 0:
@@ -210,10 +153,12 @@ def plan_for_batch(
     result: list[Any] = [None]
     loaded: LoadedPlan | None = None
     measured = settings.profile == "measure" and not settings.load_plan
-    with planning_load(rank, world_size, world_size // max(1, num_nodes), device, measured):
+    with planning_load(rank, world_size, world_size // max(1, num_nodes), device, measured) as probe:
         if rank == 0:
             try:
-                made = _make_plan(settings, root, call, local_batch, world_size, num_nodes, device, loss)
+                made = _make_plan(
+                    settings, root, call, local_batch, world_size, num_nodes, device, loss, probe
+                )
                 loaded = made if isinstance(made, LoadedPlan) else None
                 result[0] = made.plan if isinstance(made, LoadedPlan) else made
             except Exception as error:  # sent to every rank, then raised everywhere
@@ -311,8 +256,10 @@ def _make_plan(
     num_nodes: int,
     device: torch.device,
     loss: LossFn | None = None,
+    probe: PlanningProbe | None = None,
 ) -> Plan | LoadedPlan:
-    """Capture, profile and partition ``root`` (the plan records how long that took), or load ``load_plan``."""
+    """Capture, profile and partition ``root`` (the plan records how long that took), or load ``load_plan``;
+    ``probe`` measures the host time of a CPU pipeline's actions (see [Note: pipeline probe])."""
     from lightning_autopart.partition import partition
     from lightning_autopart.planner import profile_model
     from lightning_autopart.profile import calibrate_cpu
@@ -357,6 +304,8 @@ def _make_plan(
         else [s for s in range(1, world_size + 1) if world_size % s == 0 and s <= prof.num_blocks]
     )
     micro = choose_micro_batches(settings.micro_batches, local_batch)
+    if probe is not None and spec == "cpu":
+        cluster = probe.tune(cluster, prof, local_batch, micro)
     schedules = None if settings.schedule == "auto" else [settings.schedule]
     best: Plan | None = None
     failure: AutopartError | None = None
@@ -384,7 +333,8 @@ def _make_plan(
             f"the planner's plan runs on {best.world_size} of the {world_size} ranks; every rank must hold a "
             f"stage: pass a num_stages that divides {world_size}"
         )
-    best = dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks})
+    probed = {"pipeline_probe": probe.measured} if probe is not None and probe.measured else {}
+    best = dataclasses.replace(best, notes={**best.notes, "max_blocks": settings.max_blocks, **probed})
     return with_planning_time(best, time.perf_counter() - start)
 
 

@@ -22,7 +22,7 @@ micro-batch that is part real, part padding (a micro-batch of real samples only 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from lightning_autopart.errors import ConfigError
 
 __all__ = [
     "batchless_outputs",
+    "check_even_batches",
     "coupled_message",
     "coupled_modules",
     "pad_batch",
@@ -132,4 +133,59 @@ def coupled_message(names: list[str], fix: str) -> str:
         f"autopart pads a smaller batch to the planned shape, but {shown} of the pipelined model "
         "normalise(s) over the batch (BatchNorm on the batch's own statistics), so the padded samples would "
         f"change the result: {fix}"
+    )
+
+
+def check_even_batches(trainer: Any, hook: str, replicas: int) -> None:
+    """Refuse, before any work, loaders whose last batch per replica would be smaller than the others when
+    the pipelined model normalises over the batch in that loop (BatchNorm training, or without running
+    statistics): a smaller batch is padded to the planned shape (see [Note: ragged batches]), which would
+    change its statistics, and the ragged batch would otherwise fail only at the end of an epoch. Other
+    loaders may be ragged."""
+    val = trainer.fit_loop.epoch_loop.val_loop
+    sources = {
+        "training_step": [("train", trainer.fit_loop), ("val", val)],
+        "validation_step": [("val", trainer.validate_loop)],
+        "test_step": [("test", trainer.test_loop)],
+        "predict_step": [("predict", trainer.predict_loop)],
+    }[hook]
+    steps = getattr(getattr(trainer, "strategy", None), "_steps", None)  # the partition made in setup
+    module = steps.root() if steps is not None else getattr(trainer, "lightning_module", None)
+    if module is None:
+        return
+    batchless: list[str] = list(getattr(steps, "batchless", []))
+    micro = steps.runner.plan.micro_batch_size if steps is not None else 0
+    for name, loop in sources:
+        coupled = coupled_modules(module, evaluation=name != "train")
+        if not (coupled or batchless) or not loop._data_source.is_defined():
+            continue
+        loaders = loop._data_source.dataloader()
+        if isinstance(loaders, Mapping):
+            loaders = list(loaders.values())
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            _check_even(name, loader, replicas, coupled, batchless, micro)
+
+
+def _check_even(
+    name: str, loader: Any, replicas: int, coupled: list[str], batchless: list[str], micro: int
+) -> None:
+    batch, dataset = getattr(loader, "batch_size", None), getattr(loader, "dataset", None)
+    if not batch or getattr(loader, "drop_last", True) or not isinstance(dataset, Sized):
+        return
+    per_replica = -(-len(dataset) // replicas)  # Lightning's DistributedSampler pads to equal shards
+    last = per_replica % batch
+    if not last or not (coupled or (batchless and micro and last % micro)):
+        return
+    fix = f"pass drop_last=True, or make the dataset length a multiple of {batch * replicas}"
+    why = (
+        coupled_message(coupled, fix)
+        if coupled
+        else f"autopart pads it to the planned shape, but the model's outputs {', '.join(batchless)} have no "
+        f"batch dimension (a loss computed inside the model), so a micro-batch of {last % micro} real samples "
+        f"and {micro - last % micro} padded ones would change them: compute the loss in the step from "
+        f"per-sample outputs (logits), or {fix}"
+    )
+    raise ConfigError(
+        f"the {name} loader's last batch per replica holds {last} samples, not {batch} "
+        f"({len(dataset)} samples over {replicas} replica(s), batch_size={batch}); " + why
     )

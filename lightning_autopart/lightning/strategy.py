@@ -30,16 +30,11 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.checkpoints import CHECKPOINT_MODES, CheckpointHooks, StageCheckpoints
 from lightning_autopart.lightning.environments import check_launched_world, refuse_mpi_without_mpi4py
 from lightning_autopart.lightning.faults import FaultGuard
-from lightning_autopart.lightning.first_batch import (
-    PlanSettings,
-    check_even_batches,
-    first_batch,
-    keep_local,
-    optimizer_kind,
-)
+from lightning_autopart.lightning.first_batch import PlanSettings, first_batch, keep_local, optimizer_kind
 from lightning_autopart.lightning.input_checks import check_stages
 from lightning_autopart.lightning.meta_init import MetaInit
 from lightning_autopart.lightning.preemption import Preemption, SignalNames
+from lightning_autopart.lightning.ragged import check_even_batches
 from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, split_module
 from lightning_autopart.lightning.step_hooks import StepHooks
 from lightning_autopart.lightning.summary import summarize_whole_model

@@ -27,7 +27,9 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
                                                               micro-batch at a time)
     checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
     p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
-    h = 2 * action_us                                           (host time of a micro-batch's two actions)
+    h = 2 * action_us if V > 1 else 0                           (host time of a micro-batch's two actions; a
+                                                                single stage runs its micro-batches in its own
+                                                                loop, no schedule, no messages)
     C = F + Bw + h (host does the math: CPU) | max(F + Bw, h) (host runs ahead of the device)
     t = C + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
     a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
@@ -58,6 +60,9 @@ ms of gloo posting per action, the stage's math slowed by the other rank sharing
 Lightning's per-step work. The CPU probe measures the per-action and per-step host time
 (:func:`~lightning_autopart.profile.calibrate.probe_host`), and on CPUs the profile and the probe run while the
 other ranks of the machine compute ([Note: planning under load] in :mod:`lightning_autopart.lightning.load`).
+Under the strategy, rank 0 and rank 1 also run a short synthetic pipeline sized like the model's stages, and
+``action_us`` covers what its micro-batches took beyond their math and messages ([Note: pipeline probe] in
+:mod:`lightning_autopart.profile.pipeline_probe`).
 Lightning's own loop (data fetch, hooks, replayed ``self.log``) is the user's code and is not priced. GPU specs
 carry estimates (not measured on a GPU: a one-GPU machine runs no pipeline); there a micro-batch's host time
 counts only where it exceeds the device's, and the step's fixed work hides behind the queued kernels.
@@ -93,6 +98,7 @@ __all__ = [
     "evaluate_config",
     "fresh_stages",
     "in_flight",
+    "micro_batch_host_us",
     "stage_cost",
 ]
 
@@ -203,6 +209,11 @@ class ConfigCosts:
     fresh: list[bool] = field(default_factory=list)
 
 
+def micro_batch_host_us(cl: Cluster, cfg: Config) -> float:
+    """``h``: the host time of a micro-batch's two schedule actions, none where one stage runs the model."""
+    return 2 * cl.action_us if cfg.stages * cfg.chunks > 1 else 0.0
+
+
 def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> ConfigCosts:
     """Precompute the per-stage constants of ``cfg`` (see the module docstring for the formulas)."""
     cl = tables.cluster
@@ -217,7 +228,7 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.p2p_out = out * v
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
-    cc.host, cc.host_adds, cc.step_host = 2 * cl.action_us, not cl.async_host, cl.step_host_us
+    cc.host, cc.host_adds, cc.step_host = micro_batch_host_us(cl, cfg), not cl.async_host, cl.step_host_us
     if r == 1:
         cc.ar_coef = [0.0] * (s * v)
         cc.ar_const = [0.0] * (s * v)

@@ -177,7 +177,7 @@ def enumerate_configs(
                     k = v * mb + s - 1
                     avg = total / nv + (2 * (nv - 1) / nv) * p2p_min
                     lb = k * avg + v * total_opt / nv + (v * (ar_total / nv + ar_lat) if r > 1 else 0.0)
-                    lb = max(lb, k * big) + host_lb * k + cl.step_host_us
+                    lb = max(lb, k * big) + (host_lb * k if nv > 1 else 0.0) + cl.step_host_us
                     entries.append((lb, s, r, mb, si))
     return entries, valid, infeasible
 

@@ -40,6 +40,10 @@ def test_a_saved_plan_skips_profiling_and_planning_and_trains_the_same(saved: Pa
     plan = json.loads((tmp_path / "plan.json").read_text())
     made = plan["notes"]["planning_s"]
     assert made > 0, "the saved plan records how long planning took"
+    # Rank 0 and rank 1 ran the pipeline probe ([Note: pipeline probe]): the plan priced its actions with it.
+    probe = plan["notes"]["pipeline_probe"]
+    assert probe["slot_us"] > 0 and probe["message_bytes"] > 0 and probe["overhead_us"] >= 0
+    assert plan["cluster"]["action_us"] == pytest.approx(probe["action_us"], abs=0.06)
     assert saved_results[0]["calls"]["profile_model"] == 1 and saved_results[0]["calls"]["partition"] >= 1
 
     code, log = _launch(tmp_path, "load")

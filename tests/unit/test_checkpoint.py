@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_autopart.errors import CheckpointError, ConfigError
-from lightning_autopart.lightning.first_batch import check_even_batches
+from lightning_autopart.lightning.ragged import check_even_batches
 from lightning_autopart.runtime.checkpoint import (
     free_elsewhere,
     held_state,

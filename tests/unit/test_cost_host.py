@@ -71,3 +71,15 @@ def test_a_host_running_ahead_hides_the_steps_fixed_work() -> None:
     assert cluster.step_host_us == 0.0 and _host(0.0, 1000.0, False).step_host_us == 1000.0
     ev = evaluate_config(CostTables(PROFILE, cluster), Config(1, 2, 4, "GPipe"), 4, (0, 2, 3))
     assert ev.step_us == pytest.approx(5 * 375)  # as without host terms (test_two_stage_gpipe_step_time)
+
+
+def test_a_single_stage_pays_no_schedule_actions() -> None:
+    """One stage runs its micro-batches in its own loop (no schedule, no messages): only the step's host time."""
+    tables = CostTables(PROFILE, _host(500.0, 1000.0, False))
+    one = evaluate_config(tables, Config(1, 1, 4, "GPipe"), 4, (0, 3))
+    bare = evaluate_config(CostTables(PROFILE, _host(0.0, 1000.0, False)), Config(1, 1, 4, "GPipe"), 4, (0, 3))
+    assert one.stages[0].host_us == 0.0 and one.step_us == pytest.approx(bare.step_us)
+    two = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3))
+    assert two.stages[0].host_us == pytest.approx(1000.0)  # two actions of 500 us per micro-batch
+    low, _ = Relaxation(tables, Config(1, 1, 4, "GPipe"), 4).lower_bound()
+    assert low <= one.step_us

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Su
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning.first_batch import check_even_batches
 from lightning_autopart.lightning.hooks import LogRecord, merge_logs
 from lightning_autopart.lightning.ragged import (
+    check_even_batches,
     coupled_modules,
     pad_batch,
     real_rows,
