@@ -1,6 +1,7 @@
 """Throughput of autopart with a forced 2-stage plan against a hand-written torch.distributed.pipelining script.
 
-Usage: ``python bench/strategy_vs_pipelining.py [--rounds 3] [--steps 30] [--warmup 5] [--batch 64]``. Both
+Usage: ``python bench/strategy_vs_pipelining.py [--rounds 3] [--steps 30] [--warmup 5] [--batch 64]
+[--fidelity N]``. Both
 sides train the MLP of ``bench/strategy_vs_ddp.py`` on 2 CPU processes (gloo, 1 thread each) with the same
 batch, 4 micro-batches, 1F1B and SGD. autopart runs under Lightning (``python ... --worker autopart``, ``devices=2``,
 ``num_stages=2``) and saves its plan; the manual side (``torchrun --nproc_per_node=2 ... --worker manual``) cuts
@@ -9,7 +10,8 @@ the same model where that plan cut it, wraps each half in a ``PipelineStage`` an
 (``--sliced-data``: slices of the whole tensors instead). Runs alternate; the driver prints every round, the medians, the ratio
 autopart / manual and the measured step time of autopart against the plan's predicted step time. Measured
 profiles vary from run to run, so only the first autopart run plans (``profile="measure"``) and saves the plan;
-later autopart runs load it (``load_plan``): every run has the same cut.
+later autopart runs load it (``load_plan``): every run has the same cut. ``--fidelity N`` adds N autopart runs
+that each plan afresh and compares each run's step time with its own plan's prediction.
 """
 
 from __future__ import annotations
@@ -179,6 +181,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=common.BATCH, help="samples per step (one pipeline)")
     parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="width of the MLP's layers")
     parser.add_argument(
+        "--fidelity",
+        type=int,
+        default=0,
+        help="then N more autopart runs that each plan afresh: measured / predicted step time per run",
+    )
+    parser.add_argument(
         "--sliced-data",
         action="store_true",
         help="manual and runner sides slice whole tensors instead of using the Lightning side's DataLoader",
@@ -247,6 +255,28 @@ def main() -> None:
     parts = {k: round(v / 1e3, 2) for k, v in first["prediction"].items() if k.endswith("_us")}
     stages = [[round(x / 1e3, 2) for x in s] for s in first["stages_us"]]
     print(f"predicted parts (ms): {parts}; per stage (fwd, bwd, p2p per micro-batch; optimizer): {stages}")
+    if args.fidelity:
+        _fidelity(args.fidelity, args.plan + ".fidelity", timing)
+
+
+def _fidelity(runs: int, plan: str, timing: list[str]) -> None:
+    """``runs`` autopart runs that each profile, probe and plan, then train: each run's measured step time
+    against its own plan's prediction (the plan and the training see the machine in the same state)."""
+    ratios = []
+    for i in range(runs):
+        result = launch([sys.executable, __file__, "--worker", "autopart", "--plan", plan, *timing])
+        ratio = result["step_s"] / result["predicted_step_s"]
+        ratios.append(ratio)
+        print(
+            f"fidelity run {i + 1}: measured {result['step_s'] * 1e3:.1f} ms, predicted "
+            f"{result['predicted_step_s'] * 1e3:.1f} ms: {ratio:.2f}",
+            file=sys.stderr,
+        )
+    listed = ", ".join(f"{r:.2f}" for r in ratios)
+    print(
+        f"\nplanned afresh in each of {runs} runs, measured / predicted: {listed}; median "
+        f"**{statistics.median(ratios):.2f}**, range {min(ratios):.2f}-{max(ratios):.2f}"
+    )
 
 
 def _port() -> int:
