@@ -181,3 +181,25 @@ def test_stages_that_do_not_divide_the_devices_are_refused() -> None:
         r"device\(s\) would hold no stage; use a multiple of 2 devices \(2 or 4\), or num_stages=1 or 3$",
     ):
         _make_plan(settings, model, _call(model), 4, 3, 1, CPU)
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_gradient_accumulation_is_planned_with_persistent_gradients(
+    accumulate: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer(accumulate_grad_batches > 1) keeps gradients through every step: the planner prices them
+    ([Note: fresh gradients] in partition/cost.py); without accumulation they start each step absent."""
+    import lightning_autopart.partition as partition_module
+
+    seen: list[bool] = []
+    real = partition_module.partition
+
+    def spy(*args: Any, **kwargs: Any) -> Plan:
+        seen.append(kwargs["persistent_grads"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(partition_module, "partition", spy)
+    model = Lit("mlp")
+    settings = PlanSettings(num_stages=2, micro_batches=2, profile="estimate", accumulate=accumulate)
+    assert isinstance(_make_plan(settings, model, _call(model), 4, 2, 1, CPU), Plan)
+    assert seen == [accumulate > 1]
