@@ -304,7 +304,7 @@ def _make_plan(
         else [s for s in range(1, world_size + 1) if world_size % s == 0 and s <= prof.num_blocks]
     )
     micro = choose_micro_batches(settings.micro_batches, local_batch)
-    if probe is not None and spec == "cpu":
+    if probe is not None and spec == "cpu" and settings.num_stages != 1:  # one stage runs no schedule actions
         cluster = probe.tune(cluster, prof, local_batch, micro)
     schedules = None if settings.schedule == "auto" else [settings.schedule]
     best: Plan | None = None
