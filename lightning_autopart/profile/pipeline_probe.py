@@ -18,6 +18,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ _ROWS, _SIDE, _WEIGHTS = 32, 512, 4
 #: Bounds on a probe micro-batch's forward plus backward (us) and its message (bytes): the probe lasts < 1 s.
 _MIN_SLOT_US, _MAX_SLOT_US = 300.0, 8000.0
 _MAX_MESSAGE = 16 << 20
+#: A probe's message that does not arrive in this time raises (a peer that failed mid-probe), so no rank waits
+#: for the process group's own timeout (30 minutes under Lightning).
+_TIMEOUT = timedelta(seconds=120)
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ def _send(tensor: torch.Tensor, peer: int) -> dist.Work:
 def _receive(tensor: torch.Tensor, peer: int) -> None:
     work = dist.irecv(tensor, peer)
     assert work is not None
-    work.wait()
+    work.wait(_TIMEOUT)
 
 
 def _steps(command: ProbeCommand, peer: int, lead: bool) -> list[float]:
@@ -196,7 +200,7 @@ def _steps(command: ProbeCommand, peer: int, lead: bool) -> list[float]:
                 _compute(unit, command.bwd_reps)
                 sends.append(_send(out, peer))
         for work in sends:
-            work.wait()
+            work.wait(_TIMEOUT)
         times.append(time.perf_counter() - start)
     return times[command.warmup :]
 
