@@ -98,7 +98,6 @@ __all__ = [
     "evaluate_config",
     "fresh_stages",
     "in_flight",
-    "micro_batch_host_us",
     "stage_cost",
 ]
 
@@ -122,6 +121,11 @@ class Config:
     def chunks(self) -> int:
         """Model chunks per rank (``v``)."""
         return CHUNKS[self.schedule]
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a schedule runs the model's micro-batches as actions between stages (``V > 1``)."""
+        return self.stages * self.chunks > 1
 
     @property
     def virtual_stages(self) -> int:
@@ -209,11 +213,6 @@ class ConfigCosts:
     fresh: list[bool] = field(default_factory=list)
 
 
-def micro_batch_host_us(cl: Cluster, cfg: Config) -> float:
-    """``h``: the host time of a micro-batch's two schedule actions, none where one stage runs the model."""
-    return 2 * cl.action_us if cfg.stages * cfg.chunks > 1 else 0.0
-
-
 def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> ConfigCosts:
     """Precompute the per-stage constants of ``cfg`` (see the module docstring for the formulas)."""
     cl = tables.cluster
@@ -228,7 +227,8 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.p2p_out = out * v
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
-    cc.host, cc.host_adds, cc.step_host = micro_batch_host_us(cl, cfg), not cl.async_host, cl.step_host_us
+    cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
+    cc.host_adds, cc.step_host = not cl.async_host, cl.step_host_us
     if r == 1:
         cc.ar_coef = [0.0] * (s * v)
         cc.ar_const = [0.0] * (s * v)

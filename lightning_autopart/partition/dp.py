@@ -34,15 +34,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from itertools import pairwise
 
-from lightning_autopart.partition.cost import (
-    INF,
-    Config,
-    ConfigCosts,
-    CostTables,
-    fresh_stages,
-    in_flight,
-    micro_batch_host_us,
-)
+from lightning_autopart.partition.cost import INF, Config, ConfigCosts, CostTables, fresh_stages, in_flight
 
 __all__ = ["Budget", "Relaxation", "solve", "solve_memory"]
 
@@ -101,7 +93,7 @@ class Relaxation:
             self.pr = [kk * a + v * o for a, o in zip(fb, opt, strict=True)]
             self.pr_on = [kk * a + v * o for a, o in zip(f2b, opt, strict=True)] if self.ck else self.pr
         # Host overheads: the step's, and where the host does the math the micro-batches' (w only grows by them).
-        self.const += cl.step_host_us + (kk * micro_batch_host_us(cl, cfg) if not cl.async_host else 0.0)
+        self.const += cl.step_host_us + (kk * 2 * cl.action_us if cfg.pipelined and not cl.async_host else 0.0)
         self.scale = 1.0
         self.num_blocks = tables.num_blocks
         self.num_stages = cfg.virtual_stages
