@@ -12,12 +12,11 @@ import torch
 
 from lightning_autopart.capture.graph import Block
 from lightning_autopart.profile.opcount import OpCounter
-from lightning_autopart.profile.pipeline_probe import trimmed_mean
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.runner import BlockCost, Runner
 from lightning_autopart.profile.sandbox import clear_grads, fresh_inputs
 
-__all__: list[str] = []
+__all__ = ["trimmed_mean"]
 
 
 class BlockFailed(Exception):
@@ -135,6 +134,13 @@ def measure_blocks(
 #: ``_HOST_BUDGET_S`` seconds (see [Note: host timing statistic]).
 _MAX_HOST_ROUNDS = 30
 _HOST_BUDGET_S = 0.3
+
+
+def trimmed_mean(values: list[float]) -> float:
+    """The mean of the middle 80 % of ``values`` (see [Note: host timing statistic])."""
+    ordered = sorted(values)
+    cut = len(ordered) // 10
+    return statistics.fmean(ordered[cut : len(ordered) - cut])
 
 
 def _typical(times: list[float], device: torch.device) -> float:

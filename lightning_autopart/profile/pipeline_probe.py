@@ -14,7 +14,6 @@ machine. Every other rank of rank 0's machine computes meanwhile (see [Note: pla
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_autopart.cluster import Cluster
+from lightning_autopart.profile.measure import trimmed_mean
 from lightning_autopart.profile.records import ModelProfile, cost_at
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "lead_probe",
     "overhead_per_micro_batch",
     "probe_workload",
-    "trimmed_mean",
     "unit_us",
     "with_overhead",
 ]
@@ -139,12 +138,6 @@ def unit_us(trials: int = 30) -> float:
     return trimmed_mean(times)
 
 
-def trimmed_mean(values: list[float]) -> float:
-    """The mean of the middle 80 % of ``values``."""
-    ordered = sorted(values)
-    cut = len(ordered) // 10
-    return statistics.fmean(ordered[cut : len(ordered) - cut])
-
 
 def command_for(slot_us: float, message_bytes: int, product_us: float) -> ProbeCommand:
     """The probe for a micro-batch of ``slot_us`` math (a third forward, two thirds backward, clamped to
@@ -174,18 +167,18 @@ def _steps(command: ProbeCommand, peer: int, lead: bool) -> list[float]:
     m = command.micro_batches
     out = torch.zeros(command.message_floats)
     inbox = [torch.empty(command.message_floats) for _ in range(m)]
+    if lead:  # torch's Schedule1F1B order for stage 0 of 2: F0 F1 B0 F2 B1 ... B(M-1)
+        order = [("F", i) for i in range(min(2, m))]
+        for i in range(m):
+            order.append(("B", i))
+            if i + 2 < m:
+                order.append(("F", i + 2))
+    else:  # the last stage: F0 B0 F1 B1 ...
+        order = [(kind, i) for i in range(m) for kind in ("F", "B")]
     times = []
     for _ in range(command.warmup + command.steps):
         start = time.perf_counter()
         sends: list[dist.Work] = []
-        if lead:  # torch's Schedule1F1B order for stage 0 of 2: F0 F1 B0 F2 B1 ... B(M-1)
-            order = [("F", i) for i in range(min(2, m))]
-            for i in range(m):
-                order.append(("B", i))
-                if i + 2 < m:
-                    order.append(("F", i + 2))
-        else:  # the last stage: F0 B0 F1 B1 ...
-            order = [(kind, i) for i in range(m) for kind in ("F", "B")]
         for kind, i in order:
             if lead and kind == "F":
                 _compute(unit, command.fwd_reps)
@@ -220,4 +213,4 @@ def follow_probe(command: ProbeCommand, leader: int) -> None:
 
 def is_command(data: torch.Tensor) -> bool:
     """Whether a broadcast command tensor asks for a probe (zeros end planning)."""
-    return bool(data[0].item() == 1.0) and math.isfinite(float(data[1].item()))
+    return bool(data[0].item() == 1.0)

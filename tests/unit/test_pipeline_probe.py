@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_autopart.profile.measure import trimmed_mean
 from lightning_autopart.profile.pipeline_probe import (
     COMMAND_SIZE,
     ProbeCommand,
@@ -15,7 +16,6 @@ from lightning_autopart.profile.pipeline_probe import (
     is_command,
     overhead_per_micro_batch,
     probe_workload,
-    trimmed_mean,
     with_overhead,
 )
 from tests.unit.test_cost import PROFILE, _cluster
