@@ -27,6 +27,7 @@ from lightning_autopart.profile.pipeline_probe import (
     follow_probe,
     is_command,
     lead_probe,
+    overhead_per_micro_batch,
     probe_workload,
     unit_us,
     with_overhead,
@@ -55,10 +56,13 @@ class PlanningProbe:
     def pipeline_overhead_us(self, slot_us: float, message_bytes: int) -> float:
         """Host time per micro-batch of a 2-stage pipeline whose micro-batches compute ``slot_us`` and send
         ``message_bytes``, beyond both (see [Note: pipeline probe])."""
-        product_us = unit_us()
-        command = command_for(slot_us, message_bytes, product_us)
+        before = unit_us()
+        command = command_for(slot_us, message_bytes, before)
         dist.broadcast(command.to_tensor(), src=0)
-        return lead_probe(command, peer=1, product_us=product_us)
+        step_us, own_math_us = lead_probe(command, peer=1)
+        product_us = (before + unit_us()) / 2  # rank 1 loads again: see [Note: the probe's own clock]
+        clock_math_us = (command.fwd_reps + command.bwd_reps) * product_us
+        return overhead_per_micro_batch(step_us, command.micro_batches, clock_math_us, own_math_us)
 
     def tune(
         self, cluster: Cluster, prof: ModelProfile, local_batch: int, micro_batches: int | None

@@ -9,6 +9,16 @@ it. So rank 0 and rank 1 run a synthetic 1F1B with two stages of the job's ranks
 whose actions compute about as long as the model's will and send as many bytes; what its step takes beyond the
 cost model's ``K (f + b) + K p2p`` (``K = M + 1``) is the host time of a micro-batch's two actions on this
 machine. Every other rank of rank 0's machine computes meanwhile (see [Note: planning under load]).
+
+[Note: the probe's own clock] The overhead is the probe's step less its math, and its math is its products
+times one product's time measured apart: an error there of e per product is e times the products of a
+micro-batch in the overhead, five micro-batches' worth in a step. On the 2-core test machine this VM's speed
+drifts by 10-30 % in phases lasting seconds, and a product timed over 30 runs (36 ms) moved 277-439 us between
+calls a second apart: the pipeline's host time came out 3.8-11 ms for the same model. So one product is timed
+over 0.1 s before the probe and again after it (rank 1 loads the cores again by then, as before), the mean of
+the two is the probe's clock, and the probe runs 20 steps. The probe also times its own math: contention only
+slows it, so where that is faster than the clock's, the clock caught a slower phase than the probe ran in,
+and the probe's own math is subtracted instead.
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ class ProbeCommand:
     message_floats: int
     micro_batches: int = 4
     warmup: int = 2
-    steps: int = 10
+    steps: int = 20
 
     def to_tensor(self) -> torch.Tensor:
         """The command as the float64 tensor that rank 0 broadcasts (a leading 1 marks a probe)."""
@@ -96,11 +106,15 @@ def probe_workload(
     return slot_us, message
 
 
-def overhead_per_micro_batch(step_us: float, micro_batches: int, fwd_us: float, bwd_us: float) -> float:
-    """Host time per micro-batch that a 2-stage 1F1B step of ``step_us`` shows beyond ``K (f + b)``,
-    ``K = M + 1`` (the cost model's clock, see :mod:`lightning_autopart.partition.cost`); never negative."""
-    slots = micro_batches + 1
-    return max(0.0, step_us / slots - fwd_us - bwd_us)
+def overhead_per_micro_batch(
+    step_us: float, micro_batches: int, clock_math_us: float, own_math_us: float | None = None
+) -> float:
+    """Host time per micro-batch that a 2-stage 1F1B step of ``step_us`` shows beyond ``K`` micro-batches'
+    math, ``K = M + 1`` (the cost model's clock, see :mod:`lightning_autopart.partition.cost`); never negative.
+    The math is the probe clock's (``clock_math_us``), or the probe's own where that is less (see [Note: the
+    probe's own clock])."""
+    math_us = clock_math_us if own_math_us is None else min(clock_math_us, own_math_us)
+    return max(0.0, step_us / (micro_batches + 1) - math_us)
 
 
 def with_overhead(cluster: Cluster, overhead_us: float, message_bytes: int) -> Cluster:
@@ -125,18 +139,19 @@ def _compute(unit: _Unit, reps: int) -> None:
         torch.mm(x, weights[i % _WEIGHTS])
 
 
-def unit_us(trials: int = 30) -> float:
-    """Time of one probe product on this rank now (us): the mean of the middle 80 % of ``trials`` runs of
-    ``_WEIGHTS`` products (see [Note: host timing statistic] in :mod:`.measure`)."""
+def unit_us(budget_s: float = 0.1, min_trials: int = 30) -> float:
+    """Time of one probe product on this rank now (us): the mean of the middle 80 % of runs of ``_WEIGHTS``
+    products, repeated until ``budget_s`` seconds and ``min_trials`` runs have passed (see [Note: host timing
+    statistic] in :mod:`.measure`; [Note: the probe's own clock] for why it spans a budget)."""
     unit = _unit()
     _compute(unit, _WEIGHTS)
-    times = []
-    for _ in range(trials):
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < min_trials or time.perf_counter() - began < budget_s:
         start = time.perf_counter()
         _compute(unit, _WEIGHTS)
         times.append((time.perf_counter() - start) * 1e6 / _WEIGHTS)
     return trimmed_mean(times)
-
 
 
 def command_for(slot_us: float, message_bytes: int, product_us: float) -> ProbeCommand:
@@ -161,8 +176,9 @@ def _receive(tensor: torch.Tensor, peer: int) -> None:
     work.wait(_TIMEOUT)
 
 
-def _steps(command: ProbeCommand, peer: int, lead: bool) -> list[float]:
-    """Run the command's steps as stage 0 (``lead``) or stage 1 of a 2-stage 1F1B; returns each step's seconds."""
+def _steps(command: ProbeCommand, peer: int, lead: bool) -> list[tuple[float, float]]:
+    """Run the command's steps as stage 0 (``lead``) or stage 1 of a 2-stage 1F1B; returns each step's seconds
+    and the seconds of its math."""
     unit = _unit()
     m = command.micro_batches
     out = torch.zeros(command.message_floats)
@@ -178,32 +194,28 @@ def _steps(command: ProbeCommand, peer: int, lead: bool) -> list[float]:
     times = []
     for _ in range(command.warmup + command.steps):
         start = time.perf_counter()
+        math = 0.0
         sends: list[dist.Work] = []
         for kind, i in order:
-            if lead and kind == "F":
-                _compute(unit, command.fwd_reps)
-                sends.append(_send(out, peer))
-            elif lead:
+            if (kind == "F") != lead:  # stage 0 receives before a backward, stage 1 before a forward
                 _receive(inbox[i], peer)
-                _compute(unit, command.bwd_reps)
-            elif kind == "F":
-                _receive(inbox[i], peer)
-                _compute(unit, command.fwd_reps)
-            else:
-                _compute(unit, command.bwd_reps)
+            began = time.perf_counter()
+            _compute(unit, command.fwd_reps if kind == "F" else command.bwd_reps)
+            math += time.perf_counter() - began
+            if (kind == "F") == lead:  # stage 0 sends after a forward, stage 1 after a backward
                 sends.append(_send(out, peer))
         for work in sends:
             work.wait(_TIMEOUT)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, math))
     return times[command.warmup :]
 
 
-def lead_probe(command: ProbeCommand, peer: int, product_us: float) -> float:
-    """Stage 0's side of the probe with ``peer`` (which runs :func:`follow_probe` with the same command): the
-    host time per micro-batch beyond the math (us), from the mean of the middle 80 % of its steps."""
-    step_us = trimmed_mean(_steps(command, peer, lead=True)) * 1e6
-    fwd, bwd = command.fwd_reps * product_us, command.bwd_reps * product_us
-    return overhead_per_micro_batch(step_us, command.micro_batches, fwd, bwd)
+def lead_probe(command: ProbeCommand, peer: int) -> tuple[float, float]:
+    """Stage 0's side of the probe with ``peer`` (which runs :func:`follow_probe` with the same command): its
+    step time and its math per micro-batch (us), each the mean of the middle 80 % of its steps."""
+    steps = _steps(command, peer, lead=True)
+    step_us = trimmed_mean([step for step, _ in steps]) * 1e6
+    return step_us, trimmed_mean([math for _, math in steps]) * 1e6 / command.micro_batches
 
 
 def follow_probe(command: ProbeCommand, leader: int) -> None:

@@ -4,6 +4,7 @@ overhead becomes the cluster's per-action host time. The two-rank run is in test
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lightning_autopart.profile.pipeline_probe import (
     is_command,
     overhead_per_micro_batch,
     probe_workload,
+    unit_us,
     with_overhead,
 )
 from tests.unit.test_cost import PROFILE, _cluster
@@ -45,11 +47,22 @@ def test_workload_is_an_even_stage_of_the_model_at_the_micro_batch() -> None:
 
 
 def test_overhead_is_what_the_step_takes_beyond_its_math() -> None:
-    # M = 4 micro-batches of f = 100, b = 200 on the cost model's clock K = M + 1 = 5, plus 50 us each.
-    assert overhead_per_micro_batch(5 * 350, 4, 100.0, 200.0) == pytest.approx(50.0)
-    assert overhead_per_micro_batch(1000, 4, 100.0, 200.0) == 0.0  # faster than the math: no overhead
+    # M = 4 micro-batches of f + b = 300 us on the cost model's clock K = M + 1 = 5, plus 50 us each.
+    assert overhead_per_micro_batch(5 * 350, 4, 300.0) == pytest.approx(50.0)
+    assert overhead_per_micro_batch(1000, 4, 300.0) == 0.0  # faster than the math: no overhead
+    # [Note: the probe's own clock]: the probe's own math (contention only slows it) bounds the clock's,
+    # which may have caught a slower phase of the machine; a slower own math is contention, the clock stays.
+    assert overhead_per_micro_batch(5 * 350, 4, 340.0, own_math_us=300.0) == pytest.approx(50.0)
+    assert overhead_per_micro_batch(5 * 350, 4, 300.0, own_math_us=330.0) == pytest.approx(50.0)
     assert trimmed_mean([1.0] * 9 + [100.0]) == pytest.approx(1.0)
     assert trimmed_mean([2.0, 4.0]) == pytest.approx(3.0)
+
+
+def test_the_probe_clock_spans_its_budget() -> None:
+    """[Note: the probe's own clock]: one product is timed over a budget of time, not a fixed count of runs."""
+    began = time.perf_counter()
+    assert unit_us(budget_s=0.05, min_trials=1) > 0
+    assert time.perf_counter() - began >= 0.05
 
 
 def test_overhead_becomes_action_time_beyond_the_priced_message() -> None:
