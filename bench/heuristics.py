@@ -27,12 +27,12 @@ from examples.resnet import ResNet
 from lightning_autopart.capture import capture
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.partition import partition
-from lightning_autopart.partition.cost import evaluate
 from lightning_autopart.partition.heuristics import (
     deepspeed_parameters,
     deepspeed_uniform,
     torchgpipe_balance_by_time,
 )
+from lightning_autopart.partition.scoring import evaluate
 from lightning_autopart.profile import profile
 from lightning_autopart.profile.records import ModelProfile
 

@@ -3,7 +3,9 @@
 Pure Python (no torch, no numpy). The pieces, in reading order:
 
 - :mod:`.tables`: prefix sums of the profile, so that every interval costs O(1);
-- :mod:`.cost`: the cost model (stage time, memory, step time) and ``evaluate`` for any given partition;
+- :mod:`.cost`: the cost model (stage time, memory, step time);
+- :mod:`.scoring`: ``evaluate``, the cost model's score of any given partition;
+- :mod:`.bounds`: monotone lower bounds of a configuration, which the DP and the search prune with;
 - :mod:`.placement`: rank layouts and which links stay inside a node;
 - :mod:`.dp`: the exact dynamic program over contiguous partitions for one configuration;
 - :mod:`.search`: branch and bound over replicas x stages x micro-batches x schedule x layout;
@@ -18,7 +20,8 @@ from collections.abc import Sequence
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition.build import build_plan, infeasible_error
-from lightning_autopart.partition.cost import CostTables, evaluate
+from lightning_autopart.partition.cost import CostTables
+from lightning_autopart.partition.scoring import evaluate
 from lightning_autopart.partition.search import Constraints, closest, divisors
 from lightning_autopart.partition.search import search as run_search
 from lightning_autopart.plan import SCHEDULES, Plan

@@ -6,8 +6,9 @@ from typing import Any
 
 from lightning_autopart.cluster import Cluster, format_bytes
 from lightning_autopart.errors import PlanError
-from lightning_autopart.partition.cost import CostTables, Evaluation
+from lightning_autopart.partition.cost import CostTables
 from lightning_autopart.partition.placement import stage_ranks
+from lightning_autopart.partition.scoring import Evaluation
 from lightning_autopart.plan import Plan, Prediction, StagePlan
 from lightning_autopart.profile.records import ModelProfile
 

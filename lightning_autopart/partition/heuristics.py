@@ -1,7 +1,7 @@
 """Baseline partitioners of other libraries, reimplemented from their descriptions, for comparison only.
 
 Each returns block boundaries ``[0, b_1, ..., L]`` for ``parts`` contiguous parts; score them with
-:func:`lightning_autopart.partition.cost.evaluate` to compare with the planner under one cost model.
+:func:`lightning_autopart.partition.scoring.evaluate` to compare with the planner under one cost model.
 
 - DeepSpeed ``PipelineModule(partition_method="uniform")``: ``partition_uniform`` gives every part
   ``L // parts`` blocks and the first ``L % parts`` parts one more.

@@ -37,17 +37,17 @@ import time
 from dataclasses import dataclass
 from itertools import pairwise
 
+from lightning_autopart.partition.bounds import Relaxation
 from lightning_autopart.partition.cost import (
     CHUNKS,
     INF,
     Config,
     CostTables,
-    Evaluation,
     config_costs,
-    evaluate_config,
 )
-from lightning_autopart.partition.dp import Budget, Relaxation, solve, solve_memory
+from lightning_autopart.partition.dp import Budget, solve, solve_memory
 from lightning_autopart.partition.placement import LAYOUTS, LinkPattern, link_pattern
+from lightning_autopart.partition.scoring import Evaluation, evaluate_config
 
 __all__ = ["Constraints", "SearchResult", "closest", "divisors", "search"]
 

@@ -13,12 +13,11 @@ from lightning_autopart.partition.cost import (
     CostTables,
     check_config,
     config_costs,
-    evaluate,
-    evaluate_config,
     in_flight,
     stage_cost,
 )
 from lightning_autopart.partition.placement import link_pattern, rank_of, stage_ranks
+from lightning_autopart.partition.scoring import evaluate, evaluate_config
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 

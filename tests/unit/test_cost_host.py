@@ -10,8 +10,10 @@ from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import device_spec
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition import partition
-from lightning_autopart.partition.cost import Config, CostTables, config_costs, evaluate_config
-from lightning_autopart.partition.dp import Relaxation, solve
+from lightning_autopart.partition.bounds import Relaxation
+from lightning_autopart.partition.cost import Config, CostTables, config_costs
+from lightning_autopart.partition.dp import solve
+from lightning_autopart.partition.scoring import evaluate_config
 from tests.unit.test_cost import PROFILE, _cluster
 
 

@@ -11,17 +11,17 @@ from hypothesis import strategies as st
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import PlanError
 from lightning_autopart.partition import partition
+from lightning_autopart.partition.bounds import Relaxation
 from lightning_autopart.partition.cost import (
     INF,
     Config,
     CostTables,
     config_costs,
-    evaluate,
-    evaluate_config,
     stage_cost,
 )
-from lightning_autopart.partition.dp import Relaxation, solve
+from lightning_autopart.partition.dp import solve
 from lightning_autopart.partition.placement import LAYOUTS
+from lightning_autopart.partition.scoring import evaluate, evaluate_config
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")

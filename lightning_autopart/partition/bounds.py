@@ -1,0 +1,192 @@
+"""Lower bounds of one configuration that the DP (:mod:`.dp`) and the search (:mod:`.search`) prune with: a
+necessary condition for a stage's term ``<= tau`` and memory feasibility, monotone under interval containment."""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from itertools import pairwise
+
+from lightning_autopart.partition.cost import INF, Config, CostTables, fresh_stages, in_flight
+
+__all__ = ["Relaxation"]
+
+#: Relative slack for the floating-point relaxations (they only prune, never decide the optimum).
+_SLACK = 1e-9
+
+
+class Relaxation:
+    """Monotone lower bounds of one configuration, valid for every layout and stage position.
+
+    With ``n0`` the fewest in-flight micro-batches of any position and ``c0`` the smallest stage input, a stage
+    of blocks ``[i, j)`` with term ``w <= tau`` lies in one of two families:
+
+    - plain: ``static + n0*sum a_k <= limit`` and ``K*(F + Bw + h0) + v*(a_min + O) + H <= tau``;
+    - checkpointed: ``static + sum a_k + n0*c0 <= limit`` and ``K*(2F + Bw + h0) + v*(a_min + O) + H <= tau``;
+
+    where ``h0`` is the micro-batch's host time where it adds to the math (0 where it may hide behind it),
+    ``H`` the step's host time, ``a_min`` the all-reduce at the best bandwidth the replica count allows
+    (backward's transient, a range maximum, is left out: the bounds stay lower bounds). Every quantity is a prefix difference
+    (``pm_off``/``pm_on`` for memory, ``pr_off``/``pr_on`` for time, ``R = scale*diff + const``), so each family
+    is monotone under interval containment, and so is their union.
+    """
+
+    def __init__(self, tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> None:
+        cl = tables.cluster
+        r, v, kk = cfg.replicas, cfg.chunks, cfg.ticks
+        m = batch_size // (r * cfg.micro_batches)
+        at = tables.at(m)
+        fb = tables.fb_prefix(m)
+        n0 = min(in_flight(cfg.schedule, cfg.stages, p, cfg.micro_batches) for p in (0, cfg.stages - 1))
+        self.cap = tables.cap
+        #: One micro-batch of activations: the bound used for the memory objective of :func:`solve_memory`.
+        fresh = any(
+            fresh_stages(tables, cfg)
+        )  # gradients left out of the bounds where any stage may lack them
+        self.pm = tables.memory_prefix(m, v, 1, fresh)
+        self.pm_off = tables.memory_prefix(m, v, n0, fresh)
+        self.cap_on = self.cap - v * n0 * min(at.stage_input) if checkpointing else -1
+        self.ck = self.cap_on >= 0
+        f2b = tables.fb_prefix(m, recompute=True) if self.ck else fb
+        opt = tables.opt_us
+        if r > 1:
+            bw = (
+                cl.inter_allreduce_bw
+                if r > cl.devices_per_node
+                else max(cl.intra_allreduce_bw, cl.inter_allreduce_bw)
+            )
+            coef = v * (2 * (r - 1) / r / bw * 1e6)
+            self.const = v * (2 * (r - 1) * cl.latency_us)
+            gr = tables.grads
+            self.pr = [kk * a + coef * g + v * o for a, g, o in zip(fb, gr, opt, strict=True)]
+            self.pr_on = (
+                [kk * a + coef * g + v * o for a, g, o in zip(f2b, gr, opt, strict=True)]
+                if self.ck
+                else self.pr
+            )
+        else:
+            self.const = 0.0
+            self.pr = [kk * a + v * o for a, o in zip(fb, opt, strict=True)]
+            self.pr_on = [kk * a + v * o for a, o in zip(f2b, opt, strict=True)] if self.ck else self.pr
+        # Host overheads: the step's, and where the host does the math the micro-batches' (w only grows by them).
+        self.const += cl.step_host_us + (
+            kk * 2 * cl.action_us if cfg.pipelined and not cl.async_host else 0.0
+        )
+        self.scale = 1.0
+        self.num_blocks = tables.num_blocks
+        self.num_stages = cfg.virtual_stages
+
+    def room(self, tau: float) -> float:
+        """Largest ``pr`` difference a stage may span when every stage must be ``<= tau``."""
+        if tau == INF:
+            return INF
+        return (tau + _SLACK * (abs(tau) + self.scale * self.pr_on[-1]) - self.const) / self.scale
+
+    def reach(self, i: int, room: float) -> int:
+        """Farthest end ``j`` such that blocks ``[i, j)`` are in either family (``room`` from :meth:`room`)."""
+        pm, pr = self.pm_off, self.pr
+        j = bisect_right(pm, pm[i] + self.cap) - 1
+        if room < INF:
+            j = min(j, bisect_right(pr, pr[i] + room) - 1)
+        if self.ck:
+            pm, pr = self.pm, self.pr_on
+            j2 = bisect_right(pm, pm[i] + self.cap_on) - 1
+            if room < INF:
+                j2 = min(j2, bisect_right(pr, pr[i] + room) - 1)
+            j = max(j, j2)
+        return j
+
+    def start(self, j: int, room: float) -> int:
+        """Smallest start ``i`` such that blocks ``[i, j)`` are in either family."""
+        pm, pr = self.pm_off, self.pr
+        i = bisect_left(pm, pm[j] - self.cap)
+        if room < INF:
+            i = max(i, bisect_left(pr, pr[j] - room))
+        if self.ck:
+            pm, pr = self.pm, self.pr_on
+            i2 = bisect_left(pm, pm[j] - self.cap_on)
+            if room < INF:
+                i2 = max(i2, bisect_left(pr, pr[j] - room))
+            i = min(i, i2)
+        return i
+
+    def bands(self, tau: float) -> list[tuple[int, int]] | None:
+        """Where each boundary of a partition with every stage ``<= tau`` can lie; None when nowhere."""
+        n, nv = self.num_blocks, self.num_stages
+        room = self.room(tau)
+        if room < 0:
+            return None
+        hi = [0] * (nv + 1)
+        pos = 0
+        for s in range(1, nv + 1):
+            j = min(n - (nv - s), self.reach(pos, room))
+            if j <= pos:
+                return None
+            hi[s] = pos = j
+        if pos < n:
+            return None
+        lo = [0] * (nv + 1)
+        lo[nv] = pos = n
+        for s in range(nv - 1, -1, -1):
+            i = max(s, self.start(pos, room))
+            if i >= pos:
+                return None
+            lo[s] = pos = i
+        if pos > 0:
+            return None
+        bands = [(max(s, lo[s]), min(n - (nv - s), hi[s])) for s in range(nv + 1)]
+        if any(a > b for a, b in bands):
+            return None
+        return bands
+
+    def greedy(self, tau: float) -> tuple[int, ...] | None:
+        """Boundaries of the greedy farthest-reaching partition with every ``R <= tau``; None if none."""
+        bands = self.bands(tau)
+        if bands is None:
+            return None
+        return tuple(b for _, b in bands)
+
+    def memory_greedy(self, limit: int) -> tuple[int, ...] | None:
+        """Greedy farthest-reaching partition with every relaxed memory (scaled) ``<= limit``; None if none."""
+        n, nv, pm = self.num_blocks, self.num_stages, self.pm
+        bounds = [0]
+        pos = 0
+        for s in range(1, nv + 1):
+            j = min(n - (nv - s), bisect_right(pm, pm[pos] + limit) - 1)
+            if j <= pos:
+                return None
+            bounds.append(j)
+            pos = j
+        return tuple(bounds) if pos == n else None
+
+    def memory_lower_bound(self, rel: float = 1e-3) -> tuple[float, tuple[int, ...]]:
+        """A lower bound on the smallest largest ``memory / limit`` and the greedy partition near it."""
+        pm = self.pm
+        lo = max(b - a for a, b in pairwise(pm)) - 1
+        hi = pm[-1]
+        part = self.memory_greedy(hi)
+        assert part is not None
+        while hi - lo > max(1, int(rel * hi)):
+            mid = (lo + hi) // 2
+            got = self.memory_greedy(mid)
+            if got is None:
+                lo = mid
+            else:
+                hi, part = mid, got
+        return lo / self.cap, part
+
+    def lower_bound(self, upper: float = INF, rel: float = 1e-4) -> tuple[float, tuple[int, ...] | None]:
+        """Bisect the smallest ``tau`` the relaxation admits (a lower bound) and the greedy partition there."""
+        if upper == INF:
+            upper = self.scale * self.pr_on[-1] + self.const + 1.0
+        part = self.greedy(upper)
+        if part is None:
+            return upper, None
+        lo, hi = 0.0, upper
+        while hi - lo > rel * hi:
+            mid = 0.5 * (lo + hi)
+            got = self.greedy(mid)
+            if got is None:
+                lo = mid
+            else:
+                hi, part = mid, got
+        return lo, part
