@@ -35,6 +35,7 @@ from lightning_autopart.lightning.input_checks import check_stages
 from lightning_autopart.lightning.meta_init import MetaInit
 from lightning_autopart.lightning.preemption import Preemption, SignalNames
 from lightning_autopart.lightning.ragged import check_even_batches
+from lightning_autopart.lightning.readout import StepReadout, watch_steps
 from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, split_module
 from lightning_autopart.lightning.step_hooks import StepHooks
 from lightning_autopart.lightning.summary import summarize_whole_model
@@ -154,6 +155,8 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         self.num_nodes = 1
         self._hidden_example: Any = None
         self._part: Partition | None = None
+        #: Rank 0's measured training step against the plan's, once a fit has run enough steps.
+        self.step_readout: StepReadout | None = None
         self._params: list[nn.Parameter] = []
         self._stash: list[Tensor | None] = []
         self._checkpoints: StageCheckpoints | None = None
@@ -284,6 +287,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
             self._part.steps.scale = self._loss_scale()
             self._preemption.setup(trainer, self.cluster_environment)  # [Note: pre-emption]
+            self.step_readout = watch_steps(trainer, self._part.plan, self.root_device)  # [Note: step readout]
 
     @override
     def model_to_device(self) -> None:

@@ -88,3 +88,18 @@ def check_resnet(case: Case, accelerator: str) -> None:
 @pytest.mark.parametrize("micro_batches", [1, 4])
 def test_tutorial_net_trains_like_plain_lightning(micro_batches: int) -> None:
     check_training_equals_plain_lightning(CASES["tutorial"], "gpu", micro_batches)
+
+
+def test_step_readout_times_the_device_steps() -> None:
+    """[Note: step readout] on CUDA: CUDA events at the step ends (no host sync), read once done."""
+    check_step_readout(CASES["tutorial"], "gpu")
+
+
+def check_step_readout(case: Case, accelerator: str) -> None:
+    from lightning_autopart.lightning.readout import COUNT, START
+
+    strategy = autopart(case.micro_batches)
+    fit(case, strategy, accelerator=accelerator, max_steps=START + COUNT + 1, log_steps=False)
+    readout = strategy.step_readout
+    assert readout is not None and readout.step_ms is not None and readout.ratio is not None
+    assert 0 < readout.step_ms < 10_000
