@@ -30,6 +30,7 @@ __all__ = [
     "DictDataset",
     "HFModule",
     "build",
+    "cache_field",
     "config",
     "dataset",
     "fit",
@@ -40,6 +41,16 @@ VOCAB, SEQ, TARGET_SEQ, IMAGE, CLASSES = 100, 8, 6, 8, 3
 
 #: The models of the tier.
 MODELS = ("gpt2", "llama", "bert", "t5", "vit")
+
+
+def cache_field() -> str:
+    """The ModelOutput field that holds a decoder's cache: ``past_key_values``, ``cache`` from transformers
+    5.24 on (autopart drops and reports it under whichever name the model returns)."""
+    import transformers
+
+    fields = transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+    return "cache" if "cache" in fields else "past_key_values"
+
 
 #: Per model, the module lists holding its encoder/decoder layers (the units a stage boundary may not split).
 LAYERS: dict[str, tuple[str, ...]] = {

@@ -26,7 +26,7 @@ from lightning_autopart.capture import capture
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.profile import profile
 from lightning_autopart.runtime.stages import build_stage_module
-from tests.hf_cases import LAYERS, MODELS, build, config, dataset
+from tests.hf_cases import LAYERS, MODELS, build, cache_field, config, dataset
 
 #: The ModelOutput class each model's forward returns.
 OUTPUTS = {
@@ -178,9 +178,10 @@ def test_output_rebuilds_to_the_model_output(hf: dict[str, Captured], name: str)
     assert out.loss.dim() == 0
     torch.testing.assert_close(out.loss, reference.loss)
     torch.testing.assert_close(out.logits, reference.logits)
-    assert list(out.keys()) == [k for k in reference if k != "past_key_values"]
+    field = cache_field()
+    assert list(out.keys()) == [k for k in reference if k != field]
     if CACHES[name] is not None:
-        assert out.past_key_values is None and type(reference.past_key_values).__name__ == CACHES[name]
+        assert getattr(out, field) is None and type(getattr(reference, field)).__name__ == CACHES[name]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -189,18 +190,18 @@ def test_the_cache_is_reported_dropped(hf: dict[str, Captured], name: str) -> No
     case = hf[name]
     cache = CACHES[name]
     messages = [str(w.message) for w in case.warnings if issubclass(w.category, UserWarning)]
-    reported = [m for m in messages if "past_key_values" in m and "use_cache=False" in m]
+    reported = [m for m in messages if cache_field() in m and "use_cache=False" in m]
     if cache is None:
         assert case.captured.output.dropped == () and reported == []
         return
-    assert case.captured.output.dropped == (f"['past_key_values'] ({cache})",)
+    assert case.captured.output.dropped == (f"['{cache_field()}'] ({cache})",)
     assert len(reported) == 1 and f"({cache})" in reported[0]
 
 
 def test_the_cache_warning_is_a_user_warning() -> None:
     model, inputs = build("gpt2"), _inputs("gpt2")
     with pytest.warns(
-        UserWarning, match=r"GPT2LMHeadModel\.forward returns \['past_key_values'\] \(DynamicCache\)"
+        UserWarning, match=rf"GPT2LMHeadModel\.forward returns \['{cache_field()}'\] \(DynamicCache\)"
     ):
         capture(model, inputs)
 
