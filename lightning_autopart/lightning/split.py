@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.lightning.input_checks import check_trainable
@@ -49,6 +50,15 @@ class Partition:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(None), ())
+
+    def check_job(self, world_size: int, device: torch.device) -> None:
+        """Refuse a job this earlier split cannot run: another world size or device, with the fix."""
+        if self.world_size != world_size or self.steps.device != device:
+            raise ConfigError(
+                f"this model was split for {self.world_size} ranks on {self.steps.device} by an earlier run; "
+                f"this Trainer has {world_size} ranks on {device}: load it from a checkpoint "
+                "into a fresh model, or use the same devices"
+            )
 
 
 def split_module(

@@ -298,12 +298,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         """The module's existing partition (an earlier fit, validate... on it), if this job can run it."""
         if part is None:
             return None
-        if part.world_size != self.world_size or part.steps.device != self.root_device:
-            raise ConfigError(
-                f"this model was split for {part.world_size} ranks on {part.steps.device} by an earlier run; "
-                f"this Trainer has {self.world_size} ranks on {self.root_device}: load it from a checkpoint "
-                "into a fresh model, or use the same devices"
-            )
+        part.check_job(self.world_size, self.root_device)
         if self.load_plan or self.num_stages not in (None, part.plan.num_stages):
             rank_zero_info("autopart: the model is already split by an earlier run; reusing its plan")
         return part

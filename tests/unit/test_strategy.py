@@ -307,3 +307,20 @@ def test_move_in_place_to_the_same_device_changes_nothing() -> None:
     before = [(id(t), t.data_ptr()) for t in (*model.parameters(), *model.buffers())]
     move_in_place(model, torch.device("cpu"))
     assert [(id(t), t.data_ptr()) for t in (*model.parameters(), *model.buffers())] == before
+
+
+def test_a_split_model_refuses_another_world_or_device() -> None:
+    """A module split by an earlier fit runs only on its world size and device; otherwise the fix is named."""
+    from types import SimpleNamespace
+
+    from lightning_autopart.lightning.split import Partition
+
+    part = Partition(None, SimpleNamespace(device=torch.device("cpu")), set(), set(), None, 2)  # type: ignore[arg-type]
+    part.check_job(2, torch.device("cpu"))
+    message = (
+        r"split for 2 ranks on cpu by an earlier run; this Trainer has 4 ranks on cpu: load it from a check"
+    )
+    with pytest.raises(ConfigError, match=message):
+        part.check_job(4, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"this Trainer has 2 ranks on meta"):
+        part.check_job(2, torch.device("meta"))
