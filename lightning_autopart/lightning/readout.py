@@ -110,8 +110,9 @@ def _cause(plan: Plan, device: torch.device) -> str:
         )
     if device.type != "cuda":
         return (
-            "On CPUs the machine's speed can move between profiling and training (cores shared with other "
-            "work); plan again when it is quiet, or reuse a plan with load_plan"
+            "On CPUs the plan leaves out Lightning's own loop (hooks, data, logging: milliseconds a step, most of "
+            "a small model's step), and the machine's speed can move between profiling and training (cores "
+            "shared with other work); plan again when it is quiet, or reuse a plan with load_plan"
         )
     return "The device or its host may have been busy while profiling; plan again, or reuse a plan with load_plan"
 
