@@ -55,8 +55,10 @@ def _main() -> None:
     except SystemExit as stop:
         code = stop.code
         raise
-    finally:
-        (out / f"exit.{run}.{os.environ['SLURM_PROCID']}").write_text(str(code))
+    finally:  # written whole or not at all: the requeue's SIGTERM may end this process at any instruction
+        name = f"exit.{run}.{os.environ['SLURM_PROCID']}"
+        (out / f".{name}").write_text(str(code))
+        os.replace(out / f".{name}", out / name)
 
 
 if __name__ == "__main__":
