@@ -30,7 +30,11 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     h = 2 * action_us if V > 1 else 0                           (host time of a micro-batch's two actions; a
                                                                 single stage runs its micro-batches in its own
                                                                 loop, no schedule, no messages)
-    C = F + Bw + h (host does the math: CPU) | max(F + Bw, h) (host runs ahead of the device)
+    G = sum g_k (+ sum gf_k if checkpoint)                      (the blocks' own host time where the host runs
+                                                                ahead of the device, forward gf_k + backward;
+                                                                0 where the host does the math, see [Note: host
+                                                                and device] in profile/cuda_clock.py)
+    C = F + Bw + h (host does the math: CPU) | max(F + Bw, h + G) (host runs ahead of the device)
     t = C + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
     a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
     w = K * t + v * (a + O) + H,   K = v*M + S - 1,   H = step_us (0 where the host runs ahead)
@@ -198,6 +202,10 @@ class ConfigCosts:
     p2p_out: list[list[float]] = field(default_factory=list)
     ar_coef: list[float] = field(default_factory=list)
     ar_const: list[float] = field(default_factory=list)
+    #: Prefix sums of the blocks' host time (forward and backward; forward alone), zeros where the host does
+    #: the math (see ``G`` in the module docstring).
+    host_fb: list[float] = field(default_factory=list)
+    host_f: list[float] = field(default_factory=list)
     #: Host time of one micro-batch's two actions, whether it adds to the math (CPU), and the step's host time.
     host: float = 0.0
     host_adds: bool = False
@@ -222,6 +230,8 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.fresh = fresh_stages(tables, cfg) * v
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
     cc.host_adds, cc.step_host = not cl.async_host, cl.step_host_us
+    zero = [0.0] * (tables.num_blocks + 1)
+    cc.host_fb, cc.host_f = (zero, zero) if cc.host_adds else (tables.host_fb, tables.host_f)
     if r == 1:
         cc.ar_coef = [0.0] * (s * v)
         cc.ar_const = [0.0] * (s * v)
@@ -294,7 +304,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     f = pf[j] - pf[i]
     fb = f + (pb[j] - pb[i])
     comp = fb + f if ck else fb
-    host = cc.host
+    host = cc.host + (cc.host_fb[j] - cc.host_fb[i])
+    if ck:
+        host += cc.host_f[j] - cc.host_f[i]
     busy = comp + host if cc.host_adds else (comp if comp > host else host)
     pin = cc.p2p_in[k][i]
     pout = cc.p2p_out[k][j]

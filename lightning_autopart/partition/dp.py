@@ -58,7 +58,7 @@ def solve(
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
-    host, adds, stp = cc.host, cc.host_adds, cc.step_host
+    host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
     multi = cc.cfg.replicas > 1
     # The largest finite value a cell may take: unreachable states (INF) then fail ``pv > lim`` at once.
     top = tau if tau < INF else _HUGE
@@ -77,6 +77,7 @@ def solve(
         first = last = -1
         for j in range(jlo, jhi + 1):
             pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
+            hfbj, hfj = hfb[j], hf[j]
             ilo = max(plo, start(j, room))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -103,13 +104,15 @@ def solve(
                     d_off, d_on = min(a_sum, gr, x), min(cin[i], gr, x)
                 else:
                     d_off = d_on = 0
+                h = host + (hfbj - hfb[i])
                 if v * (st + max(x + infl * a_sum - d_off, y)) <= cap:
                     comp = fb
                 elif ck and v * (st + max(x + infl * cin[i] + a_sum - d_on, y)) <= cap:
                     comp = fb + f
+                    h += hfj - hf[i]
                 else:
                     continue
-                busy = comp + host if adds else (comp if comp > host else host)
+                busy = comp + h if adds else (comp if comp > h else h)
                 t = busy + pin[i] + po
                 w = (kk * t + v * (coef * gr + cst + opt) if multi else kk * t + v * opt) + stp
                 if w < pv:

@@ -157,6 +157,10 @@ class CostTables:
         )
         #: Prefix sums of the optimizer step's time (once per step, independent of the micro-batch).
         self.opt_us = _prefix_float([b.optimizer_us for b in blocks])
+        #: Prefix sums of the blocks' host time per micro-batch, forward and backward, and forward alone (0
+        #: unless timed on a device the host feeds ahead of time: [Note: host and device] in cuda_clock.py).
+        self.host_fb = _prefix_float([b.host_fwd_us + b.host_bwd_us for b in blocks])
+        self.host_f = _prefix_float([b.host_fwd_us for b in blocks])
         #: Bytes the optimizer step allocates per byte of trainable parameters (its transient).
         self.opt_transient = optimizer_transient_factor(profile.optimizer)
         self.tied = _tied_copies(profile)

@@ -119,6 +119,11 @@ class BlockProfile:
     #: Share of the bytes crossing the cut before this block that both this block and the previous one save
     #: for backward: one tensor when the two share a stage (see [Note: saved twice]).
     saved_by_previous: float = 0.0
+    #: Host time (Python, dispatch, kernel launches) of the forward and of the backward, per micro-batch, on a
+    #: device the host feeds ahead of time (CUDA; see [Note: host and device] in cuda_clock.py). 0: unknown, or
+    #: the host does the math itself (CPU), where ``fwd_us``/``bwd_us`` hold it.
+    host_fwd_us: float = 0.0
+    host_bwd_us: float = 0.0
 
 
 # [Note: saved twice]

@@ -142,6 +142,9 @@ def instances(
                 cast_bytes=draw(st.integers(0, 300)),
                 saved_by_previous=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
                 curve=draw(_curves(b0)),
+                # host-bound blocks (host time beyond the device's: priced as max(device, host) per stage)
+                host_fwd_us=draw(st.sampled_from([0.0, 0.0, fwd * 3.0]) | st.floats(0.0, 3000.0)),
+                host_bwd_us=draw(st.sampled_from([0.0, bwd * 2.0]) | st.floats(0.0, 3000.0)),
             )
         )
     tied: tuple[TiedParam, ...] = ()
@@ -292,3 +295,32 @@ def test_tau_prunes_but_keeps_equal_values() -> None:
     relax = Relaxation(tables, cc.cfg, 3)
     lb, part = relax.lower_bound()
     assert lb <= best[0] and part is not None
+
+
+def test_a_stage_costs_the_larger_of_its_device_and_host_time() -> None:
+    """Where the host runs ahead of the device, a stage costs max(device, host) per micro-batch, and a
+    checkpointed stage runs its blocks' forward host work twice; the DP and stage_cost agree on both."""
+
+    def block(k: int, host_fwd: float, host_bwd: float) -> BlockProfile:
+        return BlockProfile(
+            f"b{k}", (f"b{k}",), (), 0, 0, 0, 0, 0, 100.0, 200.0, 0.0, 0.0, 10_000, 10,
+            host_fwd_us=host_fwd, host_bwd_us=host_bwd,
+        )  # fmt: skip
+
+    prof = ModelProfile("Chain", (block(0, 50.0, 50.0), block(1, 400.0, 100.0)), 1, 10)
+    for memory, ck in ((10**9, False), (15_000, True)):  # 2 micro-batches of 10 kB saved: 20 kB, or 10 kB + inputs
+        cl = Cluster(1, 2, memory, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0, action_us=0.0)
+        tables = CostTables(prof, cl)
+        cc = config_costs(tables, Config(1, 2, 2, "GPipe"), 2)
+        first, second = stage_cost(tables, cc, 0, 0, 1), stage_cost(tables, cc, 1, 1, 2)
+        assert first.checkpoint is second.checkpoint is ck
+        # block 0: device 300 (+100 recomputed) beats host 100 (+50); block 1: host 500 (+400) beats device
+        assert first.fwd_us + first.bwd_us + first.host_us == pytest.approx(400.0 if ck else 300.0)
+        assert first.host_us == 0.0
+        assert second.fwd_us + second.bwd_us + second.host_us == pytest.approx(900.0 if ck else 500.0)
+        got = solve(tables, cc)
+        assert got is not None and got[0] == pytest.approx(max(first.term_us, second.term_us))
+        # where the host does the math (CPU), the blocks' own host time is already in their device time
+        cpu = CostTables(prof, Cluster(1, 2, memory, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0,
+                                       action_us=0.0, async_host=False))  # fmt: skip
+        assert stage_cost(cpu, config_costs(cpu, cc.cfg, 2), 1, 1, 2).host_us == 0.0
