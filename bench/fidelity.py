@@ -19,6 +19,8 @@ dtype=precision)`` and planned by ``partition(..., num_stages=1, micro_batches=1
 training recomputes nothing) on a one-device cluster of the local spec with the device's memory; a plan that
 does not fit still gives its prediction. Ratios are predicted / measured; the worst is the farthest from 1
 (``max(r, 1/r)``). Goals: estimate within 20% (time) and 10% (peak), measure within 10% (both).
+``--modes measure-serial`` adds measure mode timed as before the spin kernels of [Note: host and device]
+(``cuda_clock.SPIN = False``: events only, host time not apart), to compare the two on one machine.
 
 The driver prints a markdown table (device, torch and Lightning versions in its header) and the worst cases;
 ``--json`` also writes every step time and every prediction's parts.
@@ -34,7 +36,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -64,8 +66,12 @@ GOALS: dict[tuple[str, str], float] = {
     ("estimate", "peak"): 0.10,
     ("measure", "time"): 0.10,
     ("measure", "peak"): 0.10,
+    ("measure-serial", "time"): 0.10,
+    ("measure-serial", "peak"): 0.10,
 }
 MODES = ("estimate", "measure")
+#: Every mode ``--modes`` takes (see the module docstring).
+CHOICES = (*MODES, "measure-serial")
 
 
 class LlamaModule(L.LightningModule):
@@ -268,6 +274,18 @@ def table(rows: list[dict[str, Any]], modes: tuple[str, ...] = MODES) -> str:
     return "\n".join(lines) + "\n\nworst case: " + ", ".join(parts)
 
 
+@contextlib.contextmanager
+def _spin(on: bool) -> Iterator[None]:
+    """Measure mode with or without the spin kernels of [Note: host and device]."""
+    from lightning_autopart.profile import cuda_clock
+
+    before, cuda_clock.SPIN = cuda_clock.SPIN, on
+    try:
+        yield
+    finally:
+        cuda_clock.SPIN = before
+
+
 def _device_memory(cuda: bool) -> int:
     if cuda:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -282,7 +300,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--accelerator", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--tiny", action="store_true", help="small models, few steps (a CPU smoke test)")
     parser.add_argument("--cases", nargs="+", choices=names, default=names)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="profile modes")
+    parser.add_argument("--modes", nargs="+", choices=CHOICES, default=list(MODES), help="profile modes")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, --tiny 5)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, --tiny 2)")
     parser.add_argument("--json", type=Path, default=None, help="also write every step time and prediction")
@@ -303,7 +321,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if cuda:
         warm_up_cuda()
     spec = resolve_spec(None, torch.device("cuda")) if cuda else resolve_spec("cpu")
-    memory, modes = _device_memory(cuda), tuple(m for m in MODES if m in args.modes)
+    memory, modes = _device_memory(cuda), tuple(m for m in CHOICES if m in args.modes)
     chosen = cases(args.tiny)
     rows: list[dict[str, Any]] = []
     for key in args.cases:
@@ -313,8 +331,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"case": case.name, "batch": case.batch, "optimizer": case.optimizer,
                                "precision": case.precision, "measured": measured}  # fmt: skip
         for mode in modes:
-            with contextlib.redirect_stdout(sys.stderr):
-                p = predict(case, data.pool[0], mode, spec, memory)
+            serial = mode == "measure-serial"
+            with contextlib.redirect_stdout(sys.stderr), _spin(not serial):
+                p = predict(case, data.pool[0], "measure" if serial else mode, spec, memory)
             free_device(cuda)
             p["time_ratio"] = _ratio(p["step_ms"], measured["step_ms"])
             p["peak_ratio"] = _ratio(p["peak_bytes"], measured["peak_bytes"])

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_autopart.capture.graph import Block
+from lightning_autopart.profile.cuda_clock import CudaClock
 from lightning_autopart.profile.opcount import OpCounter
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.runner import BlockCost, Runner
@@ -55,12 +56,12 @@ def measure_blocks(
     One more untimed run per block, first, counts FLOPs and kernels and meters saved tensors under a
     dispatch mode. CUDA is timed with events, anything else with perf_counter.
 
-    [Note: no sync between blocks] On CUDA the round synchronizes once, at its end, as a training step does:
-    the host runs ahead and launches the next kernels while the device works, so the events around a block
-    time the device's work on it. A synchronize after every block would empty the queue at each block's
-    start and add the host's launch latency to every block: on an H100 in bf16-mixed, where kernels take
-    microseconds, measure mode predicted a GPT-2 step 1.21-1.40x and a Llama step 1.27-1.43x too long. The batch-independent part
-    is ``kernels x launch_us``, capped at 0.9 of the measured time.
+    [Note: no sync between blocks] A synchronize before a block that is then timed with events alone adds
+    the host's launch latency to every block: on an H100 in bf16-mixed, where kernels take microseconds,
+    measure mode predicted a GPT-2 step 1.21-1.40x and a Llama step 1.27-1.43x too long. So on CUDA each block
+    runs behind a spin kernel that outlasts its host work, and the device's time and the host's are kept
+    apart (:mod:`.cuda_clock`, [Note: host and device]). The batch-independent part is ``kernels x
+    launch_us``, capped at 0.9 of the measured time.
 
     [Note: host timing statistic] A training step lasts as long as the mean of its actions, and on a CPU that
     other ranks (and, on a shared machine, other tenants) contend for, a block's times are bimodal: slow phases
@@ -77,8 +78,10 @@ def measure_blocks(
     names: list[tuple[frozenset[str], frozenset[str]]] = []
     fwd_times: list[list[float]] = [[] for _ in blocks]
     bwd_times: list[list[float]] = [[] for _ in blocks]
+    fwd_host: list[list[float]] = [[] for _ in blocks]
+    bwd_host: list[list[float]] = [[] for _ in blocks]
+    clock = CudaClock(device) if device.type == "cuda" else None
     outputs: list[list[torch.Tensor]] = []
-    pending: list[_Pending] = []
     try:
         for i, block in enumerate(blocks):
             try:
@@ -100,16 +103,26 @@ def measure_blocks(
             round_ += 1
             outputs.clear()
             for i, runner in enumerate(runners):
-                inputs = fresh_inputs(runner.args)
-                outputs.append(
-                    _timed(partial(runner.forward, inputs), device, fwd_times[i], timed, pending, i)
-                )
+                forward = partial(runner.forward, fresh_inputs(runner.args))
+                if clock is None:
+                    outputs.append(_timed(forward, fwd_times[i], timed, i))
+                else:
+                    times = (fwd_times[i], fwd_host[i]) if timed else None
+                    kernels = counters[i].counts["fwd"].kernels
+                    outputs.append(_on_clock(clock, ("fwd", i), forward, kernels, times, i))
             for i in reversed(range(len(runners))):
-                runner, out = runners[i], outputs[i]
-                _timed(partial(runner.backward, out), device, bwd_times[i], timed and bool(out), pending, i)
-                if not out and timed:
-                    bwd_times[i].append(0.0)
-            _settle(pending, device)
+                backward, out = partial(runners[i].backward, outputs[i]), outputs[i]
+                if not out:  # nothing of the block's output needs a gradient
+                    if timed:
+                        bwd_times[i].append(0.0)
+                        bwd_host[i].append(0.0)
+                elif clock is None:
+                    _timed(backward, bwd_times[i], timed, i)
+                else:
+                    times = (bwd_times[i], bwd_host[i]) if timed else None
+                    _on_clock(clock, ("bwd", i), backward, counters[i].counts["bwd"].kernels, times, i)
+            if clock is not None:
+                _settle_clock(clock)
             for runner in runners:
                 clear_grads(runner.program, runner.args)
             more = device.type != "cuda" and round_ == rounds < warmup + _MAX_HOST_ROUNDS
@@ -126,7 +139,8 @@ def measure_blocks(
         fwd_us, bwd_us = _typical(fwd_times[i], device), _typical(bwd_times[i], device)
         fwd, bwd = counters[i].counts["fwd"], counters[i].counts["bwd"]
         fixed = (min(fwd.kernels * launch_us, 0.9 * fwd_us), min(bwd.kernels * launch_us, 0.9 * bwd_us))
-        costs.append(BlockCost.of(counters[i], saved[i], (fwd_us, bwd_us), fixed, memory[i], names[i]))
+        host = (_typical(fwd_host[i], device), _typical(bwd_host[i], device)) if clock else (0.0, 0.0)
+        costs.append(BlockCost.of(counters[i], saved[i], (fwd_us, bwd_us), fixed, memory[i], names[i], host))
     return costs
 
 
@@ -149,29 +163,38 @@ def _typical(times: list[float], device: torch.device) -> float:
     return statistics.median(times) if device.type == "cuda" else trimmed_mean(times)
 
 
-#: A CUDA block run whose time is read at the end of the round: (times to append to, start, end, position).
-_Pending = tuple[list[float], Any, Any, int]
-
-
-def _timed(
+def _on_clock(
+    clock: CudaClock,
+    key: tuple[str, int],
     run: Callable[[], Any],
-    device: torch.device,
-    times: list[float],
-    record: bool,
-    pending: list[_Pending],
+    kernels: int,
+    times: tuple[list[float], list[float]] | None,
     position: int,
 ) -> Any:
-    """``run()``, timed in microseconds into ``times`` when ``record`` (on CUDA once the round settles, see
-    [Note: no sync between blocks]); errors become BlockFailed at ``position``."""
+    """``run()`` on ``clock``; errors become BlockFailed at ``position`` (the previous run's: its own)."""
     try:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = run()
-            end.record()
-            if record:
-                pending.append((times, start, end, position))
-            return result
+        clock.idle()
+    except Exception as error:
+        raise BlockFailed(clock.last if clock.last is not None else position, error) from error
+    clock.last = position
+    try:
+        return clock.run(key, run, kernels, times)
+    except Exception as error:
+        raise BlockFailed(position, error) from error
+
+
+def _settle_clock(clock: CudaClock) -> None:
+    """Read the round's times (a device error names the round's last block run: CUDA reports it only now)."""
+    try:
+        clock.settle()
+    except Exception as error:
+        raise BlockFailed(clock.last or 0, error) from error
+
+
+def _timed(run: Callable[[], Any], times: list[float], record: bool, position: int) -> Any:
+    """``run()`` on a host device, timed in microseconds into ``times`` when ``record``; errors become
+    BlockFailed at ``position``."""
+    try:
         t0 = time.perf_counter()
         result = run()
         elapsed = (time.perf_counter() - t0) * 1e6
@@ -180,17 +203,3 @@ def _timed(
     if record:
         times.append(elapsed)
     return result
-
-
-def _settle(pending: list[_Pending], device: torch.device) -> None:
-    """Wait for the round's device work and read its events' times (a device error names the round's last
-    block: CUDA reports it only now)."""
-    if device.type != "cuda":
-        return
-    try:
-        torch.cuda.synchronize(device)
-    except Exception as error:
-        raise BlockFailed(pending[-1][3] if pending else 0, error) from error
-    for times, start, end, _ in pending:
-        times.append(start.elapsed_time(end) * 1e3)
-    pending.clear()

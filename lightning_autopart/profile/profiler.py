@@ -333,6 +333,8 @@ def _record(
         transient_bytes=int(cost.transient_bytes),
         cast_bytes=int(cost.cast_bytes),
         optimizer_us=float(step_us),
+        host_fwd_us=float(cost.host_us[0]),
+        host_bwd_us=float(cost.host_us[1]),
     )
 
 

@@ -52,6 +52,8 @@ class BlockCost:
     cast_bytes: int = 0
     #: Names of the block's inputs and of its outputs that it saves for backward (see [Note: saved twice]).
     saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+    #: Host time of the forward and the backward where the device runs behind the host (CUDA), else 0.
+    host_us: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def of(
@@ -62,6 +64,7 @@ class BlockCost:
         fixed_us: tuple[float, float],
         memory: tuple[int, int] = (0, 0),
         saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
+        host_us: tuple[float, float] = (0.0, 0.0),
     ) -> BlockCost:
         """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them), times, and
         ``memory``: the run's (transient, cast) bytes."""
@@ -81,6 +84,7 @@ class BlockCost:
             transient_bytes=memory[0],
             cast_bytes=memory[1],
             saved_names=saved_names,
+            host_us=host_us,
         )
 
 

@@ -37,6 +37,32 @@ def test_cuda_event_timing() -> None:
     assert torch.cuda.memory_allocated() <= allocated + (1 << 20)  # the copies are gone
 
 
+class Chatty(nn.Module):
+    """Many tiny elementwise kernels on a small tensor: the host takes longer to launch them than the device to
+    run them, on any GPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(100):
+            x = x * 1.0001 + 0.0001
+        return x
+
+
+def test_host_and_device_time_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: host and device]: behind a spin the events time the device alone, and the host's time is kept
+    apart; without it (the timing of before) a host-bound block's events time the host's pace."""
+    from lightning_autopart.profile import cuda_clock
+
+    cap = chain(nn.Sequential(nn.Linear(64, 64), Chatty(), nn.Linear(64, 64)), torch.randn(8, 64))
+    spun = profile(cap, device="cuda", warmup=2, repeats=7).blocks[1]
+    monkeypatch.setattr(cuda_clock, "SPIN", False)
+    serial = profile(cap, device="cuda", warmup=2, repeats=7).blocks[1]
+    print(f"\nchatty block, us: spun fwd {spun.fwd_us:.0f} bwd {spun.bwd_us:.0f} host {spun.host_fwd_us:.0f} "
+          f"{spun.host_bwd_us:.0f}; serial fwd {serial.fwd_us:.0f} bwd {serial.bwd_us:.0f}")  # fmt: skip
+    assert spun.host_fwd_us > spun.fwd_us and spun.host_bwd_us > spun.bwd_us  # host-bound, and seen as such
+    assert spun.fwd_us < 0.8 * serial.fwd_us  # the device's own time, without the host's pace
+    assert (serial.host_fwd_us, serial.host_bwd_us) == (serial.fwd_us, serial.bwd_us)  # serial: host = device
+
+
 def test_bfloat16_on_cuda() -> None:
     cap = chain(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)), torch.randn(32, 256))
     full = profile(cap, device="cuda", repeats=3)

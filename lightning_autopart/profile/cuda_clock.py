@@ -1,0 +1,122 @@
+"""Timing a block on CUDA as training runs it: the device's time and the host's time, apart.
+
+[Note: host and device] In training the host runs ahead of a CUDA device: it queues a layer's kernels while
+the device still works on earlier ones, so a step lasts about ``max(sum of device times, sum of host times)``,
+not the sum of each block's larger one. Where a layer's Python outlasts its kernels (bf16 Hugging Face layers on
+a slow host), the host catches up during the cheap layers and falls behind again during the LM head. CUDA events
+around a block time the device only while the device has work queued: a block launched onto an idle device is
+timed at its host's pace. Measured that way, a slower H100 host predicted a Llama bf16 step 1.33x too long.
+
+So each timed run of a block starts on an idle device (a synchronize) with a spin kernel
+(``torch.cuda._sleep``) lasting 1.5x the block's host time seen so far: the host queues all of the block's
+kernels while the device spins, the events then time the device's work alone, and ``perf_counter`` times the
+host's. The planner prices a stage as ``max(device sum, host sum)`` (see [Note: host overhead] in cost.py).
+
+A run whose end event is already reached when the host returns found an idle device: the block synchronized
+inside (``.item()``, ``nonzero``, a data-dependent shape) and waited for the spin, or the host was slower than
+the spin allowed. Such a run (and every run of a block that launches more kernels than the device's queue takes
+while it spins, :data:`QUEUE_KERNELS`, and of every block when :data:`SPIN` is off) counts as serial: its host
+time is its device time, which adds the same to both sums, as a block the host cannot run ahead of does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["QUEUE_KERNELS", "SPIN", "CudaClock"]
+
+#: Time blocks behind a spin kernel (host and device apart). False: events only, no synchronize between
+#: blocks, every run serial (the timing of before, kept for ``bench/fidelity.py --measure-serial``).
+SPIN = True
+
+#: Most kernels a block may launch behind a spin: the driver's queue holds about 1,024 launches, and a host
+#: that fills it waits for the spin, which would then count as host time.
+QUEUE_KERNELS = 512
+
+#: The spin lasts ``_MARGIN`` times the block's longest host time seen, plus ``_FLOOR_US``, at most ``_CAP_US``.
+_MARGIN, _FLOOR_US, _CAP_US = 1.5, 20.0, 1e6
+
+_cycles_per_us: dict[int, float] = {}
+
+
+def cycles_per_us(device: torch.device) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per microsecond on ``device``, timed once per process."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    rate = _cycles_per_us.get(index)
+    if rate is None:
+        with torch.cuda.device(index):
+            torch.cuda._sleep(1000)  # load the kernel
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 2_000_000
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            torch.cuda.synchronize(index)
+            rate = _cycles_per_us[index] = cycles / max(start.elapsed_time(end) * 1e3, 1.0)
+    return rate
+
+
+@dataclass
+class _Run:
+    device_us: list[float]
+    host_us: list[float]
+    start: Any
+    end: Any
+    host: float
+    serial: bool
+
+
+@dataclass
+class CudaClock:
+    """Times block runs on one CUDA device (see [Note: host and device]); the times are read by :meth:`settle`."""
+
+    device: torch.device
+    #: The caller's label of the last run (a device error surfaces at the next synchronize: it names this).
+    last: Any = None
+    _seen: dict[Any, float] = field(default_factory=dict)
+    _pending: list[_Run] = field(default_factory=list)
+
+    def idle(self) -> None:
+        """Wait until the device has run everything queued (a no-op when :data:`SPIN` is off)."""
+        if SPIN:
+            torch.cuda.synchronize(self.device)
+
+    def run(
+        self,
+        key: Any,
+        run: Callable[[], Any],
+        kernels: int,
+        times: tuple[list[float], list[float]] | None,
+    ) -> Any:
+        """``run()`` behind a spin when the block's host time is known, on a device made :meth:`idle` first;
+        its device and host microseconds go to ``times`` (device, host) at :meth:`settle` (None: not recorded)."""
+        seen = self._seen.get(key)
+        spun = SPIN and kernels <= QUEUE_KERNELS and seen is not None
+        if spun and seen is not None:
+            spin_us = min(_MARGIN * seen + _FLOOR_US, _CAP_US)
+            torch.cuda._sleep(max(1, int(spin_us * cycles_per_us(self.device))))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        began = time.perf_counter()
+        result = run()
+        host = (time.perf_counter() - began) * 1e6
+        end.record()
+        caught = end.query()  # the device already idle: see the note
+        self._seen[key] = max(host, seen or 0.0) if not caught else (seen or host)
+        if times is not None:
+            self._pending.append(_Run(times[0], times[1], start, end, host, not spun or caught))
+        return result
+
+    def settle(self) -> None:
+        """Wait for the device and file every pending run's times."""
+        torch.cuda.synchronize(self.device)
+        for r in self._pending:
+            device_us = r.start.elapsed_time(r.end) * 1e3
+            r.device_us.append(device_us)
+            r.host_us.append(device_us if r.serial else r.host)
+        self._pending.clear()

@@ -1,0 +1,125 @@
+"""The CUDA clock's bookkeeping ([Note: host and device]) on a scripted stand-in for ``torch.cuda``: when a run
+is spun, how long the spin is, and which runs count as serial. The real device is in tests/gpu."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_autopart.profile import cuda_clock
+from lightning_autopart.profile.cuda_clock import QUEUE_KERNELS, CudaClock
+
+RATE = 1000.0  # spin cycles per microsecond
+
+
+class FakeCuda:
+    """Records what the clock asks of the device; events report ``device_us`` and whether the device is idle."""
+
+    def __init__(self) -> None:
+        self.log: list[Any] = []
+        self.device_us = 80.0
+        self.idle_after_run = False
+
+    def synchronize(self, device: Any = None) -> None:
+        self.log.append("sync")
+
+    def _sleep(self, cycles: int) -> None:
+        self.log.append(("spin", cycles))
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda = cuda
+
+    def record(self) -> None:
+        self.cuda.log.append("event")
+
+    def query(self) -> bool:
+        return self.cuda.idle_after_run
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return self.cuda.device_us / 1e3
+
+
+class FakeTime:
+    """perf_counter that a run advances by its host time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeCuda, FakeTime]:
+    cuda, clock = FakeCuda(), FakeTime()
+    for name in ("synchronize", "_sleep", "Event"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    monkeypatch.setattr(cuda_clock, "time", clock)
+    monkeypatch.setitem(cuda_clock._cycles_per_us, 0, RATE)
+    return cuda, clock
+
+
+def _run(clock: CudaClock, time_: FakeTime, host_us: float, kernels: int = 10) -> tuple[list[float], list[float]]:
+    times: tuple[list[float], list[float]] = ([], [])
+
+    def run() -> str:
+        time_.now += host_us / 1e6
+        return "out"
+
+    clock.idle()
+    assert clock.run("fwd0", run, kernels, times) == "out"
+    clock.settle()
+    return times
+
+
+def test_a_known_host_time_is_spun_over_and_kept_apart_from_the_device(fake: tuple[FakeCuda, FakeTime]) -> None:
+    cuda, now = fake
+    clock = CudaClock(torch.device("cuda", 0))
+    # first run: the host time is not known yet, so no spin; it counts as serial (host = device)
+    assert _run(clock, now, 300.0) == ([80.0], [80.0])
+    assert not [x for x in cuda.log if isinstance(x, tuple)]
+    cuda.log.clear()
+    # second run: a spin of 1.5x the host time seen (+20 us) before the block; the host's own time is kept
+    assert _run(clock, now, 250.0) == ([80.0], [pytest.approx(250.0)])
+    assert cuda.log[:3] == ["sync", ("spin", int((1.5 * 300.0 + 20.0) * RATE)), "event"]
+
+
+def test_a_run_that_finds_the_device_idle_counts_as_serial(fake: tuple[FakeCuda, FakeTime]) -> None:
+    """A block that synchronizes inside waits for the spin: its host time is not its own."""
+    cuda, now = fake
+    clock = CudaClock(torch.device("cuda", 0))
+    _run(clock, now, 100.0)
+    cuda.idle_after_run = True
+    assert _run(clock, now, 5000.0) == ([80.0], [80.0])
+    cuda.idle_after_run = False
+    cuda.log.clear()
+    _run(clock, now, 100.0)  # the waited-for time does not lengthen the next spin
+    assert ("spin", int((1.5 * 100.0 + 20.0) * RATE)) in cuda.log
+
+
+def test_a_block_with_more_kernels_than_the_queue_takes_is_not_spun(fake: tuple[FakeCuda, FakeTime]) -> None:
+    cuda, now = fake
+    clock = CudaClock(torch.device("cuda", 0))
+    for _ in range(3):
+        assert _run(clock, now, 300.0, kernels=QUEUE_KERNELS + 1) == ([80.0], [80.0])
+    assert not [x for x in cuda.log if isinstance(x, tuple)]
+
+
+def test_without_spin_the_queue_is_never_emptied(
+    fake: tuple[FakeCuda, FakeTime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPIN off is the timing of before: events only, no synchronize between blocks, every run serial."""
+    cuda, now = fake
+    monkeypatch.setattr(cuda_clock, "SPIN", False)
+    clock = CudaClock(torch.device("cuda", 0))
+    for _ in range(3):
+        assert _run(clock, now, 300.0) == ([80.0], [80.0])
+    assert cuda.log.count("sync") == 3  # settle's, once per round
+    assert not [x for x in cuda.log if isinstance(x, tuple)]
