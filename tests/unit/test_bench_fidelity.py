@@ -19,7 +19,7 @@ CASE = "net5000x24-b512-sgd-32"
 def test_tiny_case_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fidelity.json"
     argv = ["--tiny", "--accelerator", "cpu", "--cases", CASE, "--steps", "3", "--warmup", "1"]
-    rows = fidelity.main([*argv, "--json", str(out)])
+    rows = fidelity.main([*argv, "--modes", *fidelity.CHOICES, "--json", str(out)])
     table = capsys.readouterr().out
 
     assert [r["case"] for r in rows] == [CASE]
@@ -36,6 +36,7 @@ def test_tiny_case_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert p["step_ms"] > 0 and p["peak_bytes"] > 0 and p["fits"]
         assert p["loss_error"] is None
     assert row["estimate"]["on_meta"] and not row["measure"]["on_meta"]
+    assert row["measure-serial"]["step_ms"] > 0 and "measure-serial time ratio" in lines[0]
     saved = json.loads(out.read_text())
     assert saved["rows"][0]["case"] == CASE and "header" in saved
 
