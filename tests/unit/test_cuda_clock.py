@@ -3,6 +3,7 @@ is spun, how long the spin is, and which runs count as serial. The real device i
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -123,3 +124,15 @@ def test_without_spin_the_queue_is_never_emptied(
         assert _run(clock, now, 300.0) == ([80.0], [80.0])
     assert cuda.log.count("sync") == 3  # settle's, once per round
     assert not [x for x in cuda.log if isinstance(x, tuple)]
+
+
+def test_the_spin_rate_is_the_fastest_of_three_spins(
+    fake: tuple[FakeCuda, FakeTime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clock that boosts after the first spin must not make later spins shorter than asked."""
+    monkeypatch.setattr(cuda_clock, "_cycles_per_us", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    durations = iter([2000.0, 1000.0, 1500.0])  # microseconds of each 2e6-cycle spin
+    monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: next(durations) / 1e3)
+    assert cuda_clock.cycles_per_us(torch.device("cuda", 0)) == 2000.0
+    assert cuda_clock.cycles_per_us(torch.device("cuda", 0)) == 2000.0  # once per process
