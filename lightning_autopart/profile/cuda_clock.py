@@ -12,11 +12,12 @@ So each timed run of a block starts on an idle device (a synchronize) with a spi
 kernels while the device spins, the events then time the device's work alone, and ``perf_counter`` times the
 host's. The planner prices a stage as ``max(device sum, host sum)`` (see [Note: host overhead] in cost.py).
 
-A run whose end event is already reached when the host returns found an idle device: the block synchronized
-inside (``.item()``, ``nonzero``, a data-dependent shape) and waited for the spin, or the host was slower than
-the spin allowed. Such a run (and every run of a block that launches more kernels than the device's queue takes
-while it spins, :data:`QUEUE_KERNELS`, and of every block when :data:`SPIN` is off) counts as serial: its host
-time is its device time, which adds the same to both sums, as a block the host cannot run ahead of does.
+A run whose host work outlasts its spin, or whose end event is already reached when the host returns, left the
+device idle for a while: the block synchronized inside (``.item()``, ``nonzero``, a data-dependent shape) and
+waited for the spin, or the host was slower than the spin allowed. Such a run counts as serial, and so does
+every run of a block that launches more kernels than the device's queue takes while it spins
+(:data:`QUEUE_KERNELS`) and every run when :data:`SPIN` is off: its host time is its device time, which adds
+the same to both sums, as a block the host cannot run ahead of does.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class CudaClock:
         """``run()`` behind a spin when the block's host time is known, on a device made :meth:`idle` first;
         its device and host microseconds go to ``times`` (device, host) at :meth:`settle` (None: not recorded)."""
         seen = self._seen.get(key)
-        spun = SPIN and kernels <= QUEUE_KERNELS and seen is not None
-        if spun and seen is not None:
+        spin_us = 0.0
+        if SPIN and kernels <= QUEUE_KERNELS and seen is not None:
             spin_us = min(_MARGIN * seen + _FLOOR_US, _CAP_US)
             torch.cuda._sleep(max(1, int(spin_us * cycles_per_us(self.device))))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -109,10 +110,12 @@ class CudaClock:
         result = run()
         host = (time.perf_counter() - began) * 1e6
         end.record()
-        caught = end.query()  # the device already idle: see the note
-        self._seen[key] = max(host, seen or 0.0) if not caught else (seen or host)
+        # the host outlasted its spin (it waited for the device) or finds the device idle: see the note
+        waited = bool(end.query()) or (spin_us > 0.0 and host + _FLOOR_US >= spin_us)
+        if not waited or seen is None:
+            self._seen[key] = max(host, seen or 0.0)
         if times is not None:
-            self._pending.append(_Run(times[0], times[1], start, end, host, not spun or caught))
+            self._pending.append(_Run(times[0], times[1], start, end, host, spin_us == 0.0 or waited))
         return result
 
     def settle(self) -> None:

@@ -47,13 +47,24 @@ class Chatty(nn.Module):
         return x
 
 
+class Syncing(nn.Module):
+    """A host sync inside a block (``.item()``), with work after it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(x.abs().max().item())
+        return x / (scale + 1.0)
+
+
 def test_host_and_device_time_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: host and device]: behind a spin the events time the device alone, and the host's time is kept
     apart; without it (the timing of before) a host-bound block's events time the host's pace."""
     from lightning_autopart.profile import cuda_clock
 
-    cap = chain(nn.Sequential(nn.Linear(64, 64), Chatty(), nn.Linear(64, 64)), torch.randn(8, 64))
-    spun = profile(cap, device="cuda", warmup=2, repeats=7).blocks[1]
+    model = nn.Sequential(nn.Linear(64, 64), Chatty(), Syncing(), nn.Linear(64, 64))
+    cap = chain(model, torch.randn(8, 64))
+    blocks = profile(cap, device="cuda", warmup=2, repeats=7).blocks
+    spun = blocks[1]
+    assert blocks[2].host_fwd_us == blocks[2].fwd_us  # it waited for the device: serial, in every round
     monkeypatch.setattr(cuda_clock, "SPIN", False)
     serial = profile(cap, device="cuda", warmup=2, repeats=7).blocks[1]
     print(f"\nchatty block, us: spun fwd {spun.fwd_us:.0f} bwd {spun.bwd_us:.0f} host {spun.host_fwd_us:.0f} "

@@ -92,17 +92,20 @@ def test_a_known_host_time_is_spun_over_and_kept_apart_from_the_device(fake: tup
     assert cuda.log[:3] == ["sync", ("spin", int((1.5 * 300.0 + 20.0) * RATE)), "event"]
 
 
-def test_a_run_that_finds_the_device_idle_counts_as_serial(fake: tuple[FakeCuda, FakeTime]) -> None:
-    """A block that synchronizes inside waits for the spin: its host time is not its own."""
+def test_a_run_that_waited_for_the_device_counts_as_serial(fake: tuple[FakeCuda, FakeTime]) -> None:
+    """A block that synchronizes inside waits for the spin: its host time is not its own, whether the device is
+    idle when the host returns or still runs the kernels launched after the sync."""
     cuda, now = fake
     clock = CudaClock(torch.device("cuda", 0))
     _run(clock, now, 100.0)
     cuda.idle_after_run = True
-    assert _run(clock, now, 5000.0) == ([80.0], [80.0])
+    assert _run(clock, now, 90.0) == ([80.0], [80.0])  # the device idle when the host returns
     cuda.idle_after_run = False
+    assert _run(clock, now, 1.5 * 100.0 + 20.0 - 19.0) == ([80.0], [80.0])  # the host outlasted its spin
+    assert _run(clock, now, 120.0) == ([80.0], [pytest.approx(120.0)])  # within the spin: its own time
     cuda.log.clear()
-    _run(clock, now, 100.0)  # the waited-for time does not lengthen the next spin
-    assert ("spin", int((1.5 * 100.0 + 20.0) * RATE)) in cuda.log
+    _run(clock, now, 100.0)  # the waited-for time does not lengthen the next spin; the host's own does
+    assert [x[1] for x in cuda.log if isinstance(x, tuple)] == [pytest.approx((1.5 * 120.0 + 20.0) * RATE, abs=1)]
 
 
 def test_a_block_with_more_kernels_than_the_queue_takes_is_not_spun(fake: tuple[FakeCuda, FakeTime]) -> None:
