@@ -32,7 +32,7 @@ import torch
 __all__ = ["QUEUE_KERNELS", "SPIN", "CudaClock"]
 
 #: Time blocks behind a spin kernel (host and device apart). False: events only, no synchronize between
-#: blocks, every run serial (the timing of before, kept for ``bench/fidelity.py --measure-serial``).
+#: blocks, every run serial (the timing of before, kept for ``bench/fidelity.py --modes measure-serial``).
 SPIN = True
 
 #: Most kernels a block may launch behind a spin: the driver's queue holds about 1,024 launches, and a host
