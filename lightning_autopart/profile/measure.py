@@ -56,7 +56,7 @@ def measure_blocks(
     One more untimed run per block, first, counts FLOPs and kernels and meters saved tensors under a
     dispatch mode. CUDA is timed with events, anything else with perf_counter.
 
-    [Note: no sync between blocks] A synchronize before a block that is then timed with events alone adds
+    [Note: launch latency] A synchronize before a block that is then timed with events alone adds
     the host's launch latency to every block: on an H100 in bf16-mixed, where kernels take microseconds,
     measure mode predicted a GPT-2 step 1.21-1.40x and a Llama step 1.27-1.43x too long. So on CUDA each block
     runs behind a spin kernel that outlasts its host work, and the device's time and the host's are kept
@@ -104,23 +104,16 @@ def measure_blocks(
             outputs.clear()
             for i, runner in enumerate(runners):
                 forward = partial(runner.forward, fresh_inputs(runner.args))
-                if clock is None:
-                    outputs.append(_timed(forward, fwd_times[i], timed, i))
-                else:
-                    times = (fwd_times[i], fwd_host[i]) if timed else None
-                    kernels = counters[i].counts["fwd"].kernels
-                    outputs.append(_on_clock(clock, ("fwd", i), forward, kernels, times, i))
+                kernels = counters[i].counts["fwd"].kernels
+                outputs.append(_run(clock, ("fwd", i), forward, kernels, (fwd_times[i], fwd_host[i]), timed))
             for i in reversed(range(len(runners))):
-                backward, out = partial(runners[i].backward, outputs[i]), outputs[i]
-                if not out:  # nothing of the block's output needs a gradient
-                    if timed:
-                        bwd_times[i].append(0.0)
-                        bwd_host[i].append(0.0)
-                elif clock is None:
-                    _timed(backward, bwd_times[i], timed, i)
-                else:
-                    times = (bwd_times[i], bwd_host[i]) if timed else None
-                    _on_clock(clock, ("bwd", i), backward, counters[i].counts["bwd"].kernels, times, i)
+                if outputs[i]:
+                    backward = partial(runners[i].backward, outputs[i])
+                    kernels = counters[i].counts["bwd"].kernels
+                    _run(clock, ("bwd", i), backward, kernels, (bwd_times[i], bwd_host[i]), timed)
+                elif timed:  # nothing of the block's output needs a gradient
+                    bwd_times[i].append(0.0)
+                    bwd_host[i].append(0.0)
             if clock is not None:
                 _settle_clock(clock)
             for runner in runners:
@@ -163,22 +156,34 @@ def _typical(times: list[float], device: torch.device) -> float:
     return statistics.median(times) if device.type == "cuda" else trimmed_mean(times)
 
 
-def _on_clock(
-    clock: CudaClock,
+def _run(
+    clock: CudaClock | None,
     key: tuple[str, int],
     run: Callable[[], Any],
     kernels: int,
-    times: tuple[list[float], list[float]] | None,
-    position: int,
+    times: tuple[list[float], list[float]],
+    record: bool,
 ) -> Any:
-    """``run()`` on ``clock``; errors become BlockFailed at ``position`` (the previous run's: its own)."""
+    """``run()`` of block ``key[1]``, its device and host microseconds into ``times`` when ``record``: on
+    ``clock`` (CUDA), else by ``perf_counter`` (the host is the device); errors become BlockFailed."""
+    position = key[1]
+    if clock is None:
+        try:
+            t0 = time.perf_counter()
+            result = run()
+            elapsed = (time.perf_counter() - t0) * 1e6
+        except Exception as error:
+            raise BlockFailed(position, error) from error
+        if record:
+            times[0].append(elapsed)
+        return result
     try:
         clock.idle()
-    except Exception as error:
+    except Exception as error:  # the previous run's error, reported by CUDA only now
         raise BlockFailed(clock.last if clock.last is not None else position, error) from error
     clock.last = position
     try:
-        return clock.run(key, run, kernels, times)
+        return clock.run(key, run, kernels, times if record else None)
     except Exception as error:
         raise BlockFailed(position, error) from error
 
@@ -189,17 +194,3 @@ def _settle_clock(clock: CudaClock) -> None:
         clock.settle()
     except Exception as error:
         raise BlockFailed(clock.last or 0, error) from error
-
-
-def _timed(run: Callable[[], Any], times: list[float], record: bool, position: int) -> Any:
-    """``run()`` on a host device, timed in microseconds into ``times`` when ``record``; errors become
-    BlockFailed at ``position``."""
-    try:
-        t0 = time.perf_counter()
-        result = run()
-        elapsed = (time.perf_counter() - t0) * 1e6
-    except Exception as error:
-        raise BlockFailed(position, error) from error
-    if record:
-        times.append(elapsed)
-    return result
