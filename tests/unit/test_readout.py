@@ -80,6 +80,65 @@ def test_waits_for_the_whole_window_and_counts_optimizer_steps(monkeypatch: pyte
         assert _run(monkeypatch, [0.06] * COUNT, 60.0, resumed=1000).step_ms == pytest.approx(60.0)
 
 
+class _Events:
+    """``torch.cuda.Event``'s stand-in: each event records the next scripted device time (ms); ``done`` says
+    whether the device has reached the events (``query``), and ``synchronize`` calls are counted."""
+
+    def __init__(self, times_ms: list[float]) -> None:
+        self.times = iter(times_ms)
+        self.done = False
+        self.syncs = 0
+        events = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at: float | None = None
+
+            def record(self) -> None:
+                self.at = next(events.times)
+
+            def query(self) -> bool:
+                return events.done
+
+            def synchronize(self) -> None:  # the host waits until the device is there
+                events.syncs += 1
+                events.done = True
+
+            def elapsed_time(self, end: Event) -> float:
+                assert self.at is not None and end.at is not None and events.done
+                return end.at - self.at
+
+        self.Event = Event
+
+
+def test_on_cuda_it_reads_events_once_the_device_reached_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path without a GPU: events mark the steps, the report waits for the last one (query, no host
+    sync) while training goes on, and the end of training waits for it (one synchronize)."""
+    ends = [10.0 + 30.0 * i for i in range(COUNT + 1)]  # 30 ms device steps
+    messages: list[str] = []
+    monkeypatch.setattr(readout, "rank_zero_info", messages.append)
+    for finish_with in ("query", "train_end"):
+        events = _Events(ends)
+        monkeypatch.setattr(readout.torch.cuda, "Event", events.Event)
+        callback = StepReadout(25.0, torch.device("cuda", 0), "")
+        trainer = SimpleNamespace(global_step=0, is_global_zero=True)
+        callback.on_train_start(trainer, None)  # type: ignore[arg-type]
+        for step in range(1, START + COUNT + 3):  # two steps beyond the window: the device has not caught up
+            trainer.global_step = step
+            callback.on_train_batch_end(trainer)  # type: ignore[arg-type]
+        assert len(callback._marks) == COUNT + 1 and callback.step_ms is None and events.syncs == 0
+        events.done = finish_with == "query"
+        if finish_with == "query":
+            trainer.global_step += 1
+            callback.on_train_batch_end(trainer)  # type: ignore[arg-type]
+        else:
+            callback.on_train_end(trainer, None)  # type: ignore[arg-type]
+        assert callback.step_ms == pytest.approx(30.0) and callback.ratio == pytest.approx(1.2)
+        assert events.syncs == 1  # only once the last event is known done (query) or at the end of training
+    assert len(messages) == 2 and all("took 30.0 ms" in m for m in messages)
+
+
 def test_a_resumed_fit_skips_its_own_first_steps() -> None:
     callback = StepReadout(10.0, torch.device("cpu"), "")
     trainer = SimpleNamespace(global_step=1000, is_global_zero=True)  # resumed from a checkpoint at step 1000
