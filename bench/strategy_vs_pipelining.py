@@ -267,9 +267,11 @@ def _fidelity(runs: int, plan: str, timing: list[str]) -> None:
         result = launch([sys.executable, __file__, "--worker", "autopart", "--plan", plan, *timing])
         ratio = result["step_s"] / result["predicted_step_s"]
         ratios.append(ratio)
+        predicted = result["prediction"]
+        parts = ", ".join(f"{predicted[k] / 1e3:.1f}" for k in ("compute_us", "bubble_us", "host_us"))
         print(
             f"fidelity run {i + 1}: measured {result['step_s'] * 1e3:.1f} ms, predicted "
-            f"{result['predicted_step_s'] * 1e3:.1f} ms: {ratio:.2f}",
+            f"{result['predicted_step_s'] * 1e3:.1f} ms: {ratio:.2f} (its compute, bubble, host: {parts} ms)",
             file=sys.stderr,
         )
     listed = ", ".join(f"{r:.2f}" for r in ratios)
