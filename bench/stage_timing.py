@@ -5,9 +5,9 @@ process, one thread: a stage of ``layers`` Linear + ReLU blocks is timed two way
 on one micro-batch (each block's forward and backward on its own, summed: the profile's way) and whole, with 4
 micro-batches in 1F1B order (F F B F B F B B: the first of two stages), per micro-batch. Each round is run with
 the other core idle and beside a process that keeps it busy with products; the two ways take turns going
-first. Prints each round and the median
-ratio whole / block by block. A ratio near 1 rules the profile's timing out as the source of a gap between
-predicted and measured CPU pipelines (docs/benchmarks.md, eleventh session).
+first. Prints each round and the median ratio whole / block by block. A ratio near 1 rules the profile's
+timing out as the source of a gap between predicted and measured CPU pipelines (docs/benchmarks.md, eleventh
+session).
 """
 
 from __future__ import annotations
