@@ -1,4 +1,5 @@
-"""How a process that saw a failure gets out: promptly, with code 1, whatever its groups' destructors do.
+"""How a process gets out: after a failure promptly, with code 1, whatever its groups' destructors do; else
+with its process groups ended while the interpreter is whole.
 
 See [Note: failing ranks] in ``faults.py``. :func:`install` (at setup) registers the last exit handler, which
 does nothing unless :func:`arm` (at a failure) was called: it then flushes the output and ends the process
@@ -7,6 +8,18 @@ the destructors of process groups that can wait for ever on an operation a peer 
 also registers a first exit handler that starts a ``faulthandler`` watchdog (a C thread, which needs no GIL),
 so the process ends within :data:`EXIT_GRACE` seconds even if another exit handler blocks. The exception's
 traceback is printed before the exit handlers run.
+
+[Note: groups end before the interpreter] A process that saw no failure ends its process groups itself, in an
+exit handler that :func:`install` registers right after the exit guard (so it runs after every handler
+registered later, a logger's or the user's), while the interpreter is whole. Left to the interpreter's
+teardown, gloo groups (the world, the stages', the DeviceMesh's) are destroyed in whatever order finalization
+releases them: once in five CI runs of the suite, a torchrun rank that had finished training died there with
+SIGABRT ("terminate called without an active exception", a C++ thread destroyed unjoined), turning a good
+job's exit code into 1. Lightning ends the groups at exit for NCCL only, so a job whose default group uses
+NCCL is left to Lightning's handler. A watchdog bounds ours: if ending the groups blocks for :data:`END_GRACE`
+seconds (a bug: gloo only joins its own threads there), the process exits with code 1 and prints where it
+blocked. After a failure the groups are left alone (a peer may still hold an operation open on them) and
+:func:`_exit_now` skips the teardown.
 
 Lightning's launcher kills its rank 0 within 5 s of another local rank's nonzero exit (its child-process
 observer), possibly while rank 0 is printing which rank failed: :func:`patient_launcher` gives rank 0
@@ -25,10 +38,14 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EXIT_GRACE", "LAUNCHER_GRACE", "arm", "install", "patient_launcher"]
+import torch.distributed as dist
+
+__all__ = ["END_GRACE", "EXIT_GRACE", "LAUNCHER_GRACE", "arm", "install", "patient_launcher"]
 
 #: Seconds the exit handlers of a process that saw a failure may take before the process is ended.
 EXIT_GRACE = 5.0
+#: Seconds that ending a finished process's groups may take before the process is ended with code 1.
+END_GRACE = 30.0
 #: Seconds Lightning's launcher gives rank 0 to exit by itself once another local rank failed, before killing.
 LAUNCHER_GRACE = 3.0
 
@@ -44,11 +61,29 @@ class _Guard:
 
 
 def install() -> None:
-    """Register :func:`_exit_now` once per process (at setup): it runs after every exit handler registered
-    later (a logger's, the user's), and ends the process only after :func:`arm`."""
+    """Register :func:`_exit_now`, then :func:`_end_groups`, once per process (at setup): they run after every
+    exit handler registered later (a logger's, the user's); the first ends the process only after :func:`arm`,
+    the second ends the process groups only if not (see [Note: groups end before the interpreter])."""
     if not _Guard.installed:
         _Guard.installed = True
         atexit.register(_exit_now)
+        atexit.register(_end_groups)
+
+
+def _end_groups(grace: float = END_GRACE) -> None:
+    """Destroy every process group of a process that saw no failure, within ``grace`` seconds or exit 1
+    (NCCL jobs: Lightning's own exit handler does it)."""
+    if _Guard.failed or not (dist.is_available() and dist.is_initialized()):
+        return
+    if "nccl" in str(dist.get_backend()):
+        return
+    faulthandler.dump_traceback_later(grace, exit=True)
+    try:
+        dist.destroy_process_group()
+    except Exception as error:  # ending is best effort: say so, never turn a good run's exit into a traceback
+        print(f"autopart: could not end the process groups at exit: {error}", file=sys.stderr, flush=True)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def arm() -> None:
