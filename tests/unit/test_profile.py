@@ -1,10 +1,10 @@
-"""Unit tests of the profilers: measured and estimated block records, memory accounting, partial profiles."""
+"""Unit tests of the profilers: block records in both modes, memory accounting, measure mode's timing, and
+profiles of captured models. Estimate mode's pricing is in test_profile_estimate.py, partial profiles in
+test_profile_parts.py."""
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
-import json
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -14,11 +14,8 @@ import torch
 from torch import nn
 
 from lightning_autopart.capture.graph import Block, CapturedModel, TensorInfo
-from lightning_autopart.devices import device_spec
 from lightning_autopart.errors import ConfigError, ProfileError
-from lightning_autopart.profile import calibrate_cpu, measure, merge_profiles, profile, profiled_blocks
-from lightning_autopart.profile.gemms import Gemm
-from lightning_autopart.profile.opcount import Roofline
+from lightning_autopart.profile import calibrate_cpu, measure, profile
 from lightning_autopart.profile.records import ModelProfile, TiedParam
 
 F32 = 4
@@ -383,167 +380,6 @@ def test_calibrate_cpu() -> None:
     assert spec.name == "cpu"
     assert spec.fp32_flops > 1e8 and spec.memory_bw > 1e8 and 0 < spec.launch_us < 1000
     assert calibrate_cpu() is spec  # cached
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Estimate mode
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_estimate_flops_of_linear() -> None:
-    batch, dims = 16, [32, 64, 48]
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(dims[0], dims[1]), nn.Linear(dims[1], dims[2]))
-        x = torch.randn(batch, dims[0])
-    prof = profile_cpu(chain(model, x), "estimate", spec="h100")
-    fwd = [2 * batch * i * o for i, o in itertools.pairwise(dims)]
-    assert [b.fwd_flops for b in prof.blocks] == fwd
-    bwd = [e["bwd_flops"] for e in prof.meta["per_block"]]
-    assert bwd == [fwd[0], 2 * fwd[1]]  # block 0 has no input gradient (its input is the model's)
-    assert prof.device == "h100-80gb" and prof.mode == "estimate"
-    for b in prof.blocks:
-        assert b.fwd_us > b.fwd_fixed_us > 0 and b.bwd_us > b.bwd_fixed_us > 0
-
-
-def test_estimate_roofline_numbers() -> None:
-    batch, n = 64, 4096
-    with torch.device("meta"):
-        cap = chain(nn.Sequential(nn.Linear(n, n, bias=False)), torch.randn(batch, n))
-    block = profile_cpu(cap, "estimate", spec="a100").blocks[0]
-    flops = 2 * batch * n * n
-    nbytes = (batch * n + n * n + batch * n) * F32  # mm reads x and w, writes y
-    plain = max(flops / (19.5e12 * 0.6), nbytes / (1555e9 * 0.7)) * 1e6 + 4.0
-    # Matrix products are priced by tiles and waves (see [Note: GEMM waves]): 32 output tiles on 108 SMs.
-    waves = Roofline.of(device_spec("a100"), "float32", waves=True, tf32=False)
-    assert block.fwd_us == pytest.approx(waves.op_us(flops, nbytes, (Gemm("matmul", 1, batch, n, n),)))
-    assert block.fwd_us >= plain
-    assert block.fwd_fixed_us == 4.0
-
-
-def test_faster_spec_is_faster() -> None:
-    cap = mlp(256)
-    times = {
-        s: sum(b.fwd_us + b.bwd_us for b in profile_cpu(cap, "estimate", spec=s).blocks)
-        for s in ("v100", "a100", "h100")
-    }
-    assert times["h100"] < times["a100"] < times["v100"]
-    bf16 = sum(b.fwd_us for b in profile_cpu(cap, "estimate", spec="h100", dtype="bf16").blocks)
-    assert bf16 < sum(b.fwd_us for b in profile_cpu(cap, "estimate", spec="h100").blocks)
-
-
-def test_estimate_on_cpu_spec_uses_calibration() -> None:
-    prof = profile_cpu(mlp(), "estimate", spec="cpu")
-    assert prof.device == "cpu" and prof.meta["launch_us"] == calibrate_cpu().launch_us
-
-
-def test_unknown_spec() -> None:
-    with pytest.raises(ConfigError, match=r"unknown device spec 'tpu-v9'; known specs: a100-40gb"):
-        profile_cpu(mlp(), "estimate", spec="tpu-v9")
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, dim: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        return (
-            nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            .transpose(1, 2)
-            .reshape(b, t, d)
-        )
-
-
-def test_estimate_models_attention_as_a_fused_kernel() -> None:
-    batch, seq, dim, heads = 2, 256, 32, 4
-    cap = chain(nn.Sequential(nn.Linear(dim, dim), SelfAttention(dim, heads)), torch.randn(batch, seq, dim))
-    est = profile_cpu(cap, "estimate", spec="a100")
-    measured = profile_cpu(cap, warmup=0, repeats=1)
-    scores = batch * heads * seq * seq * F32
-    assert est.blocks[1].activation_bytes < scores  # math attention would save the T x T scores
-    assert est.blocks[1].activation_bytes == measured.blocks[1].activation_bytes
-    qkv_flops = 2 * batch * seq * dim * 3 * dim
-    attention_flops = 4 * batch * heads * seq * seq * (dim // heads)  # q @ k^T and p @ v
-    assert est.blocks[1].fwd_flops == measured.blocks[1].fwd_flops == qkv_flops + attention_flops
-    assert est.meta["per_block"][1]["bwd_flops"] == measured.meta["per_block"][1]["bwd_flops"]
-
-
-def test_estimate_does_not_touch_real_memory() -> None:
-    cap = mlp()
-    before = [p.data_ptr() for p in cap.module.parameters()]
-    profile_cpu(cap, "estimate", spec="a100")
-    assert [p.data_ptr() for p in cap.module.parameters()] == before
-
-
-def test_estimate_is_fast_for_billions_of_parameters() -> None:
-    with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(5000, 5000) for _ in range(100)])
-        x = torch.randn(32, 5000)
-    cap = chain(model, x)
-    start = time.perf_counter()
-    prof = profile_cpu(cap, "estimate", spec="a100", optimizer="adam")
-    assert time.perf_counter() - start < 10.0
-    assert prof.param_count == 100 * 5000 * 5001
-    assert prof.blocks[7].optimizer_bytes == 2 * 5000 * 5001 * F32
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Partial profiles, progress and serialisation
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_blocks_subset_and_merge_round_trip() -> None:
-    cap = capture_tied(TiedLM(), torch.randint(0, 50, (4, 7)))
-    full = profile_cpu(cap, "estimate", spec="a100", optimizer="adam")
-    parts = [profile_cpu(cap, "estimate", spec="a100", optimizer="adam", blocks=b) for b in ([2, 0], [1])]
-    assert profiled_blocks(parts[0]) == [0, 2] and parts[0].num_blocks == 2
-    assert [b.name for b in parts[0].blocks] == ["emb", "head"]
-    merged = merge_profiles(list(reversed(parts)))
-    assert merged.blocks == full.blocks and merged.tied == full.tied
-    assert merged.meta["profiled_blocks"] == [0, 1, 2] and merged.meta["per_block"] == full.meta["per_block"]
-    assert merge_profiles([full]).blocks == full.blocks
-
-
-def test_merge_errors() -> None:
-    cap = mlp()
-    a = profile_cpu(cap, "estimate", spec="a100", blocks=[0, 1])
-    b = profile_cpu(cap, "estimate", spec="a100", blocks=[1, 2])
-    with pytest.raises(ProfileError, match=r"block 1 .* held by both part 0 and part 1"):
-        merge_profiles([a, b])
-    with pytest.raises(ProfileError, match=r"no part holds blocks \[2\]"):
-        merge_profiles([a])
-    other = profile_cpu(cap, "estimate", spec="a100", optimizer="adam", blocks=[2])
-    with pytest.raises(ProfileError, match="optimizer='adam'"):
-        merge_profiles([a, other])
-    with pytest.raises(ProfileError, match="at least one"):
-        merge_profiles([])
-
-
-def test_merge_measured_parts_across_devices() -> None:
-    cap = mlp()
-    parts = [profile_cpu(cap, blocks=[i], warmup=0, repeats=1) for i in range(3)]
-    renamed = [ModelProfile.from_dict({**p.to_dict(), "device": f"cuda:{i}"}) for i, p in enumerate(parts)]
-    assert merge_profiles(renamed).device == "cuda"
-    assert merge_profiles(parts).device == "cpu"
-
-
-def test_progress_called_once_per_block() -> None:
-    calls: list[tuple[int, int, str]] = []
-    profile_cpu(mlp(), "estimate", spec="a100", progress=lambda d, t, n: calls.append((d, t, n)))
-    assert calls == [(1, 3, "0"), (2, 3, "1"), (3, 3, "2")]
-    calls.clear()
-    profile_cpu(mlp(), warmup=0, repeats=1, blocks=[2], progress=lambda d, t, n: calls.append((d, t, n)))
-    assert calls == [(1, 1, "2")]
-
-
-@pytest.mark.parametrize("mode", ["measure", "estimate"])
-def test_to_dict_from_dict_round_trip(mode: str) -> None:
-    prof = profile_cpu(capture_tied(TiedLM(), torch.randint(0, 50, (2, 3))), mode, spec="v100", repeats=1)
-    data: dict[str, Any] = json.loads(json.dumps(prof.to_dict()))
-    assert ModelProfile.from_dict(data) == prof
 
 
 # ---------------------------------------------------------------------------------------------------------
