@@ -5,8 +5,11 @@
 ``torch.randn``-style noise, ``.to(x.device)``) as a constant: the device the model was captured on. A stage
 captured on the CPU (or on ``meta``, for planning) and run on a GPU would then mix devices. So every device
 constant equal to the capture device is replaced by the device of a tensor the program receives (its first
-tensor input, else its first parameter or buffer), read when the program runs. A device that differs from the
-capture device (an explicit ``.cpu()`` in a GPU model) stays as written. torch.export's own checks of a
+tensor input, else its first parameter or buffer on the capture device), read when the program runs. A device
+that differs from the capture device (an explicit ``.cpu()`` in a GPU model) stays as written. A constant that
+the forward made without a device (a Hugging Face sliding-window cache's ``torch.tensor(...)``) lives on the
+CPU whatever the capture device, so a model captured on ``meta`` must not read its device from one: Mistral's
+rotary embedding then moved its ``meta`` frequencies to the CPU and estimate mode could not capture it. torch.export's own checks of a
 tensor's dtype and device (``_assert_tensor_metadata``, emitted before ``.to(...)``) are removed: the device
 moves, and under autocast a value's dtype is not the traced one.
 
@@ -144,6 +147,12 @@ def _is_tensor_node(program: fx.GraphModule, node: fx.Node) -> bool:
     return isinstance(_attribute(program, node), torch.Tensor)
 
 
+def _on_device(program: fx.GraphModule, node: fx.Node, home: torch.device) -> bool:
+    """Whether a tensor node lives on ``home`` (a placeholder without an example value is assumed to)."""
+    value = node.meta.get("val") if node.op == "placeholder" else _attribute(program, node)
+    return not isinstance(value, torch.Tensor) or _same(value.device, home)
+
+
 def _subgraphs(program: fx.GraphModule) -> list[fx.GraphModule]:
     """The graphs of higher-order operations a program calls (``torch.no_grad()`` regions, ``torch.cond``)."""
     found = [_attribute(program, node) for node in program.graph.nodes]
@@ -164,7 +173,8 @@ def _follow_device(program: fx.GraphModule, home: torch.device | None) -> int:
         return 0
     graph = program.graph
     uses = [n for n in graph.nodes if n.op == "call_function" and _names_device(n, home)]
-    anchor = next((n for n in graph.nodes if _is_tensor_node(program, n)), None)
+    tensors = [n for n in graph.nodes if _is_tensor_node(program, n)]
+    anchor = next((n for n in tensors if _on_device(program, n, home)), tensors[0] if tensors else None)
     if not uses or anchor is None:
         return 0
     first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))

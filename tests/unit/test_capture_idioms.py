@@ -154,6 +154,51 @@ def test_meta_inputs_capture_programs_that_run_on_cpu() -> None:
     assert out.device.type == "cpu" and tuple(out.shape) == (4, 6, 20)
 
 
+class Rotary(nn.Module):
+    """A rotary embedding's angles: its frequencies (a buffer) moved to the activations' device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 8), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return (positions[:, None].float() * self.freq.to(device=x.device)).cos()
+
+
+class CounterFirst(nn.Module):
+    """Like a Hugging Face decoder with a sliding-window cache: a counter made with ``torch.tensor`` (always on
+    the CPU) offsets the positions, which a rotary block reads with no activation as input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.rotary = Rotary()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        seen = torch.tensor(0)
+        positions = torch.arange(ids.shape[1], device=h.device) + seen
+        return self.head(h + self.rotary(h, positions))
+
+
+def test_a_cpu_constant_does_not_pin_a_meta_capture_to_the_cpu() -> None:
+    """[Note: portable programs]: captured on meta, the program that computes the angles holds a CPU counter and
+    the meta buffer, and no input; it reads its device from the buffer, so its stages run on meta (estimate mode)
+    and on the CPU. (Reading it from the counter moved the meta buffer to the CPU: "Cannot copy out of meta
+    tensor", which kept Mistral out of estimate mode.)"""
+    with torch.device("meta"):
+        model = CounterFirst()
+    captured = capture(model, torch.zeros(2, 5, dtype=torch.long, device="meta"))
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    bounds = list(range(captured.num_blocks + 1))
+    (out,) = _run_stages(captured, [ids.to("meta")], bounds, "meta")
+    assert out.is_meta and tuple(out.shape) == (2, 5, 4)
+    with torch.no_grad():
+        (cpu_out,) = _run_stages(captured, [ids], bounds, "cpu")
+    assert cpu_out.device.type == "cpu" and tuple(cpu_out.shape) == (2, 5, 4)
+
+
 def test_stages_follow_the_models_train_and_eval_modes() -> None:
     """Dropout and BatchNorm flags are read from the user's modules when the stages run (captured in train mode)."""
     model, x = make("factory"), example("factory")

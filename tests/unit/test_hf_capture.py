@@ -238,3 +238,24 @@ def test_estimate_profile(hf: dict[str, Captured], name: str) -> None:
     """profile="estimate" (what the distributed tier plans with) prices every block."""
     result = profile(hf[name].captured, mode="estimate", spec="a100-40gb")
     assert result.num_blocks == hf[name].captured.num_blocks
+
+
+def test_a_sliding_window_model_built_on_meta_is_captured_and_priced() -> None:
+    """Mistral (sliding-window attention) built on meta, as ``autopart plan --profile estimate`` builds a model
+    too big for the host: its cache makes CPU counters with ``torch.tensor``, which must not decide the device of
+    the rotary block (see [Note: portable programs]); capture and estimate mode go through."""
+    cfg = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, sliding_window=8,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.MistralForCausalLM(cfg)
+    ids = torch.zeros(2, 12, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropped cache's warning (tested above)
+        captured = capture(model, {"input_ids": ids, "labels": ids})
+    assert captured.num_blocks >= 4  # the embedding, both layers, the head
+    (loss, logits) = _run(captured, [ids, ids], list(range(captured.num_blocks + 1)))
+    assert loss.is_meta and tuple(logits.shape) == (2, 12, 64)
+    priced = profile(captured, mode="estimate", spec="h100")
+    assert all(b.fwd_us > 0 for b in priced.blocks)
