@@ -1,5 +1,5 @@
-"""How much does a measured CPU profile move from one call to the next, and does a longer window or a reference
-clock steady it?
+"""How much does a measured CPU profile move from one call to the next, and does a longer window or a
+reference clock steady it?
 
 Usage: ``python bench/profile_spread.py [--calls 8] [--budgets 0.3,1.2] [--hidden 512] [--micro-batch 16]``.
 One process, one thread: the bench MLP (``bench/strategy_vs_ddp.py``) is captured at the micro-batch and its
@@ -43,7 +43,8 @@ def _spread(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--budgets", default="0.3,1.2", help="timing windows (s), comma-separated")
     parser.add_argument("--hidden", type=int, default=common.HIDDEN)

@@ -40,7 +40,7 @@ __all__ = [
 VOCAB, SEQ, TARGET_SEQ, IMAGE, CLASSES = 100, 8, 6, 8, 3
 
 #: The models of the tier.
-MODELS = ("gpt2", "llama", "bert", "t5", "vit")
+MODELS = ("gpt2", "llama", "mistral", "mixtral", "bert", "t5", "vit")
 
 
 def cache_field() -> str:
@@ -56,9 +56,26 @@ def cache_field() -> str:
 LAYERS: dict[str, tuple[str, ...]] = {
     "gpt2": ("transformer.h",),
     "llama": ("model.layers",),
+    "mistral": ("model.layers",),
+    "mixtral": ("model.layers",),
     "bert": ("bert.encoder.layer",),
     "t5": ("encoder.block", "decoder.block"),
     "vit": ("vit.layers", "vit.encoder.layer"),  # transformers 5 / 4 spell it differently
+}
+
+
+#: The tiny decoder of the Llama-like models (Mistral, Mixtral).
+_DECODER: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 16,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -91,6 +108,10 @@ def config(name: str) -> transformers.PretrainedConfig:
             bos_token_id=1,
             eos_token_id=2,
         )
+    if name == "mistral":  # a sliding window shorter than the sequences: the mask is not plain causal
+        return transformers.MistralConfig(**_DECODER, sliding_window=SEQ // 2)
+    if name == "mixtral":  # a mixture of experts: each token's top 2 of 4 experts, routed by its values
+        return transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
     if name == "bert":
         return transformers.BertConfig(
             vocab_size=VOCAB,
@@ -142,6 +163,8 @@ def build(name: str) -> nn.Module:
     classes = {
         "gpt2": transformers.GPT2LMHeadModel,
         "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
         "bert": transformers.BertForSequenceClassification,
         "t5": transformers.T5ForConditionalGeneration,
         "vit": transformers.ViTForImageClassification,
@@ -169,7 +192,8 @@ class HFModule(L.LightningModule):
 
 
 class CausalLM(HFModule):
-    """GPT-2 or Llama: the labels go into the model, which shifts them and computes the loss in its forward."""
+    """GPT-2, Llama, Mistral or Mixtral: the labels go into the model, which shifts them and computes the loss
+    in its forward."""
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
@@ -236,6 +260,8 @@ _LITS: dict[tuple[str, str], type[HFModule]] = {
     ("gpt2", "labels"): CausalLM,
     ("llama", "labels"): CausalLM,
     ("llama", "logits"): CausalLMLogits,
+    ("mistral", "labels"): CausalLM,
+    ("mixtral", "labels"): CausalLM,
     ("bert", "labels"): SequenceClassifier,
     ("t5", "labels"): Seq2SeqLM,
     ("vit", "labels"): ImageClassifier,
@@ -264,7 +290,7 @@ class DictDataset(Dataset[dict[str, Tensor]]):
 def dataset(name: str, n: int, seed: int = 1) -> DictDataset:
     """``n`` deterministic samples for model ``name``, as the dicts HF models take as keyword arguments."""
     g = torch.Generator().manual_seed(seed)
-    if name in ("gpt2", "llama"):
+    if name in ("gpt2", "llama", "mistral", "mixtral"):
         ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
         return DictDataset(input_ids=ids, labels=ids.clone())
     if name == "bert":

@@ -9,9 +9,9 @@ tensor input, else its first parameter or buffer on the capture device), read wh
 that differs from the capture device (an explicit ``.cpu()`` in a GPU model) stays as written. A constant that
 the forward made without a device (a Hugging Face sliding-window cache's ``torch.tensor(...)``) lives on the
 CPU whatever the capture device, so a model captured on ``meta`` must not read its device from one: Mistral's
-rotary embedding then moved its ``meta`` frequencies to the CPU and estimate mode could not capture it. torch.export's own checks of a
-tensor's dtype and device (``_assert_tensor_metadata``, emitted before ``.to(...)``) are removed: the device
-moves, and under autocast a value's dtype is not the traced one.
+rotary embedding then moved its ``meta`` frequencies to the CPU and estimate mode could not capture it.
+torch.export's own checks of a tensor's dtype and device (``_assert_tensor_metadata``, emitted before
+``.to(...)``) are removed: the device moves, and under autocast a value's dtype is not the traced one.
 
 [Note: modes] torch.export also records ``self.training`` as a constant: ``dropout(x, p, train=True)``,
 ``batch_norm(..., training=True, ...)`` and BatchNorm's ``num_batches_tracked += 1``. Models are captured in

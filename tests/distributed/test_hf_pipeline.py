@@ -40,6 +40,8 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
         {"model": "vit", "stages": 2, "schedule": "GPipe", "optimizer": "sgd"},
         {"model": "gpt2", "stages": 2, "schedule": "GPipe", "optimizer": "sgd", "validate": True},
         {"model": "bert", "stages": 2, "schedule": "1F1B", "optimizer": "sgd", "validate": True},
+        {"model": "mistral", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
+        {"model": "mixtral", "stages": 2, "schedule": "GPipe", "optimizer": "sgd"},
     ],
     4: [
         {"model": "gpt2", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
@@ -49,6 +51,7 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
         {"model": "t5", "stages": 2, "schedule": "GPipe", "optimizer": "adamw"},
         {"model": "vit", "stages": 2, "schedule": "1F1B", "optimizer": "sgd", "validate": True},
         {"model": "llama", "stages": 2, "schedule": "GPipe", "optimizer": "sgd", "validate": True},
+        {"model": "mixtral", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
     ],
 }
 CASES = [(world, i) for world, cases in LAUNCHES.items() for i in range(len(cases))]

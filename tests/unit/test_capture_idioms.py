@@ -166,8 +166,8 @@ class Rotary(nn.Module):
 
 
 class CounterFirst(nn.Module):
-    """Like a Hugging Face decoder with a sliding-window cache: a counter made with ``torch.tensor`` (always on
-    the CPU) offsets the positions, which a rotary block reads with no activation as input."""
+    """Like a Hugging Face decoder with a sliding-window cache: a counter made with ``torch.tensor`` (always
+    on the CPU) offsets the positions, which a rotary block reads with no activation as input."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -183,10 +183,10 @@ class CounterFirst(nn.Module):
 
 
 def test_a_cpu_constant_does_not_pin_a_meta_capture_to_the_cpu() -> None:
-    """[Note: portable programs]: captured on meta, the program that computes the angles holds a CPU counter and
-    the meta buffer, and no input; it reads its device from the buffer, so its stages run on meta (estimate mode)
-    and on the CPU. (Reading it from the counter moved the meta buffer to the CPU: "Cannot copy out of meta
-    tensor", which kept Mistral out of estimate mode.)"""
+    """[Note: portable programs]: captured on meta, the program that computes the angles holds a CPU counter
+    and the meta buffer, and no input; it reads its device from the buffer, so its stages run on meta
+    (estimate mode) and on the CPU. (Reading it from the counter moved the meta buffer to the CPU: "Cannot
+    copy out of meta tensor", which kept Mistral out of estimate mode.)"""
     with torch.device("meta"):
         model = CounterFirst()
     captured = capture(model, torch.zeros(2, 5, dtype=torch.long, device="meta"))

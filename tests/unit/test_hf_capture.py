@@ -32,6 +32,8 @@ from tests.hf_cases import LAYERS, MODELS, build, cache_field, config, dataset
 OUTPUTS = {
     "gpt2": transformers.modeling_outputs.CausalLMOutputWithCrossAttentions,
     "llama": transformers.modeling_outputs.CausalLMOutputWithPast,
+    "mistral": transformers.modeling_outputs.CausalLMOutputWithPast,
+    "mixtral": transformers.modeling_outputs.MoeCausalLMOutputWithPast,
     "bert": transformers.modeling_outputs.SequenceClassifierOutput,
     "t5": transformers.modeling_outputs.Seq2SeqLMOutput,
     "vit": transformers.modeling_outputs.ImageClassifierOutput,
@@ -41,6 +43,8 @@ OUTPUTS = {
 CACHES = {
     "gpt2": "DynamicCache",
     "llama": "DynamicCache",
+    "mistral": "DynamicCache",
+    "mixtral": "DynamicCache",
     "t5": "EncoderDecoderCache",
     "bert": None,
     "vit": None,
@@ -241,9 +245,9 @@ def test_estimate_profile(hf: dict[str, Captured], name: str) -> None:
 
 
 def test_a_sliding_window_model_built_on_meta_is_captured_and_priced() -> None:
-    """Mistral (sliding-window attention) built on meta, as ``autopart plan --profile estimate`` builds a model
-    too big for the host: its cache makes CPU counters with ``torch.tensor``, which must not decide the device of
-    the rotary block (see [Note: portable programs]); capture and estimate mode go through."""
+    """Mistral (sliding-window attention) built on meta, as ``autopart plan --profile estimate`` builds a
+    model too big for the host: its cache makes CPU counters with ``torch.tensor``, which must not decide the
+    device of the rotary block (see [Note: portable programs]); capture and estimate mode go through."""
     cfg = transformers.MistralConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, sliding_window=8,

@@ -1,0 +1,81 @@
+"""Planning, in estimate mode, the model code of many Hugging Face architectures built on meta: the way
+``autopart plan --profile estimate`` plans a model too big for the host. Each is a tiny config of the real
+class; the plan must capture whole layers and price every block. The tier that also trains them against
+one-process training is tests/distributed/test_hf_pipeline.py (GPT-2, Llama, Mistral, Mixtral, BERT, T5, ViT).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers
+
+from lightning_autopart import Cluster, plan_model
+
+#: Tiny settings of the decoders that spell them the Llama way.
+_SMALL: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "vocab_size": 64,
+    "max_position_embeddings": 32,
+}
+
+#: Per architecture: its config class, model class and tiny settings.
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**_SMALL, "num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_SMALL, "num_key_value_heads": 2, "head_dim": 8}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_SMALL, "num_key_value_heads": 2, "head_dim": 8}),
+    "phi": ("PhiConfig", "PhiForCausalLM", _SMALL),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _SMALL),
+    "opt": ("OPTConfig", "OPTForCausalLM", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32, "word_embed_proj_dim": 32,
+    }),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+    }),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {
+        "hidden_size": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64,
+    }),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {
+        "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32, "rotary_dim": 4,
+    }),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", {**_SMALL, "max_position_embeddings": 40}),
+    "distilbert": ("DistilBertConfig", "DistilBertForSequenceClassification", {
+        "dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }),
+    "bart": ("BartConfig", "BartForConditionalGeneration", {
+        "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_built_on_meta_it_is_planned_in_estimate_mode(name: str) -> None:
+    config_class, model_class, settings = ARCHITECTURES[name]
+    config = getattr(transformers, config_class)(**settings)
+    with torch.device("meta"):
+        model = getattr(transformers, model_class)(config)
+    ids = torch.zeros(4, 12, dtype=torch.long, device="meta")
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+    if name == "bart":
+        inputs["decoder_input_ids"] = ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a dropped cache is reported (tested in test_hf_capture.py)
+        plan = plan_model(model, inputs, Cluster.from_spec("h100", 2), 16, optimizer="adamw", num_stages=2)
+    blocks = [b for stage in plan.stages for b in stage.blocks]
+    assert plan.num_stages == 2 and len(blocks) >= 4, blocks
+    assert all(s.fwd_us > 0 and s.bwd_us > 0 for s in plan.stages)
+    assert plan.prediction.step_us > 0
