@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CONVOLUTIONS", "Gemm", "conv_gemms", "gemms_of", "relayout_bytes"]
+__all__ = ["CONVOLUTIONS", "GROUPED", "Gemm", "conv_gemms", "gemms_of", "relayout_bytes"]
 
 _aten = torch.ops.aten
 
@@ -117,6 +117,30 @@ def _convolution_backward(
     return conv_gemms(tuple(w.shape), groups, positions, tuple(which))
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[Gemm, ...]:
+    """A grouped product (``torch._grouped_mm``, a mixture of experts' matmul): each group's rows, or its
+    slice of K, against its own matrix. Priced as one product of all the rows (a group's last partial tile is
+    not modelled), with the FLOPs the groups do together."""
+    if a.dim() == 2 and b.dim() == 3:  # (rows, K) @ (groups, K, N): every routed token through its expert
+        return (Gemm("matmul", 1, a.shape[0], b.shape[2], a.shape[1]),)
+    if a.dim() == 3 and b.dim() == 3:  # (groups, M, K) @ (groups, K, N): a batched product
+        return (Gemm("matmul", a.shape[0], a.shape[1], b.shape[2], a.shape[2]),)
+    if a.dim() == 2 and b.dim() == 2:  # (M, K total) @ (K total, N) -> (groups, M, N): the weight gradient
+        return (Gemm("matmul", 1, a.shape[0], b.shape[1], a.shape[1]),)
+    if a.dim() == 3 and b.dim() == 2:  # (groups, M, K) @ (K, N total)
+        return (Gemm("matmul", 1, a.shape[1], b.shape[1], a.shape[2]),)
+    return ()
+
+
+def _grouped_mm_backward(
+    x: torch.Tensor, weight: torch.Tensor, offs: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[Gemm, ...]:
+    """Both gradients of a (rows, K) @ (groups, K, N) grouped product: rows x N @ N x K, and K x rows @ rows x N
+    summed per group."""
+    rows, k, n = x.shape[0], weight.shape[1], weight.shape[2]
+    return (Gemm("matmul", 1, rows, k, n), Gemm("matmul", 1, k, n, rows))
+
+
 #: The matrix products of an op, from its arguments (and ``out_val``), as [Note: GEMM waves] prices them.
 _GEMMS: dict[Any, Any] = {
     _aten.mm: _mm,
@@ -126,6 +150,16 @@ _GEMMS: dict[Any, Any] = {
     _aten.convolution: _convolution,
     _aten._convolution: _convolution,
     _aten.convolution_backward: _convolution_backward,
+}
+
+
+#: Grouped products by op name, whether or not the library that defines them is loaded: torch's own, and the
+#: fallback of Hugging Face transformers' mixture-of-experts layers (a custom op, opaque to a dispatch mode:
+#: the products inside it are not seen one by one). Mixtral's experts counted no FLOPs before these.
+GROUPED: dict[str, Any] = {
+    "aten._grouped_mm": _grouped_mm,
+    "transformers.grouped_mm_fallback": _grouped_mm,
+    "transformers.grouped_mm_fallback_backward": _grouped_mm_backward,
 }
 
 
@@ -155,7 +189,7 @@ def relayout_bytes(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], o
 
 def gemms_of(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[Gemm, ...]:
     """The matrix products op ``packet`` runs on ``args``; () for other ops or arguments it cannot read."""
-    shapes = _GEMMS.get(packet)
+    shapes = _GEMMS.get(packet) or GROUPED.get(str(packet))
     if shapes is None:
         return ()
     try:

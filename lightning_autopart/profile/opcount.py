@@ -43,6 +43,7 @@ and their FLOP formula is the whole story we know). A spec with one SM (the "cpu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from lightning_autopart.devices import DeviceSpec, tf32_convolutions, tf32_matmuls
-from lightning_autopart.profile.gemms import CONVOLUTIONS, Gemm, gemms_of, relayout_bytes
+from lightning_autopart.profile.gemms import CONVOLUTIONS, GROUPED, Gemm, gemms_of, relayout_bytes
 
 __all__: list[str] = []
 
@@ -98,7 +99,15 @@ _PARTIAL_BYTES = 4
 
 def flop_formula(packet: Any) -> Any:
     """The FLOP formula of an op overload packet, or None when it has none."""
-    return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    if formula is None and str(packet) in GROUPED:
+        return functools.partial(_grouped_flops, packet)
+    return formula
+
+
+def _grouped_flops(packet: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> float:
+    """FLOPs of a grouped product: those of its products (:data:`~.gemms.GROUPED`)."""
+    return sum(g.flops for g in gemms_of(packet, args, kwargs, out_val))
 
 
 @dataclass(frozen=True, slots=True)
