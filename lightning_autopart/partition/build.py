@@ -84,6 +84,8 @@ def build_plan(
     ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
     notes = dict(notes)
     notes["bottleneck_stage"] = ev.bottleneck
+    if profile.mode == "estimate" and profile.meta.get("opaque_ops"):  # priced by their bytes alone
+        notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
     if ckpt:
         notes["checkpointing"] = (
             f"{len(ckpt)} of {len(ev.stages)} stages ({_ranges(ckpt)}) recompute activations in backward: "

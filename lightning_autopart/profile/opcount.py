@@ -71,6 +71,10 @@ _NO_KERNEL = {
     torch.ops.prim.device,
 }
 
+#: Namespaces of torch's own ops: an op of any other (a library's custom op) with no FLOP formula and no
+#: decomposition may hide math the counter cannot see (see :attr:`OpCounter.opaque`).
+_OWN_NAMESPACES = frozenset({"aten", "prim", "prims"})
+
 #: FLOP formulas torch.utils.flop_counter lacks: CPU flash attention (what CPU runs and meta estimates use).
 _EXTRA_FLOPS: dict[Any, Any] = {
     _aten._scaled_dot_product_flash_attention_for_cpu: (
@@ -299,6 +303,8 @@ class OpCounter(TorchDispatchMode):
         self._depth = 0
         self._pending_flops = 0.0
         self._pending_gemms: list[Gemm] = []
+        #: Other libraries' ops (custom ops) with no FLOP formula that ran whole: priced by their bytes alone.
+        self.opaque: set[str] = set()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -324,6 +330,8 @@ class OpCounter(TorchDispatchMode):
             out = func(*args, **kwargs)
             if formula is not None:
                 self._pending_flops += float(formula(*args, **kwargs, out_val=out))
+            elif func.namespace not in _OWN_NAMESPACES and packet not in _NO_KERNEL:
+                self.opaque.add(str(packet))
             self._pending_gemms.extend(gemms_of(packet, args, kwargs, out))
         if top:
             self._record(func, packet, (args, kwargs, out))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -222,11 +223,16 @@ def profile(
                     "bwd_flops": cost.bwd_flops,
                     "saved_input_bytes": cost.saved_input_bytes,
                     "saved_output_bytes": cost.saved_output_bytes,
+                    **({"opaque_ops": sorted(cost.opaque_ops)} if cost.opaque_ops else {}),
                 }
             )
             if progress is not None:
                 progress(done, len(indices), block.name)
     meta["per_block"] = per_block
+    opaque = sorted({op for entry in per_block for op in entry.get("opaque_ops", ())})
+    if opaque:
+        meta["opaque_ops"] = opaque
+        _warn_opaque(opaque, mode)
     records = _shared_saves(records, indices, captured, measured_names, precision)
     if twin is not None:
         meta["curve_sizes"] = sorted(set(sizes))
@@ -381,3 +387,17 @@ def _with_curve(
         cut_bytes=(cuts[0], cuts[1]),
     )
     return with_curve(record, curve)
+
+
+def _warn_opaque(ops: list[str], mode: str) -> None:
+    """Say which custom ops have no FLOP formula (their math is invisible to the counter): in estimate mode
+    their time is only the bytes they move, so a plan may price them low; measure mode times them."""
+    named = ", ".join(ops[:5]) + (f" and {len(ops) - 5} more" if len(ops) > 5 else "")
+    if mode == "estimate":
+        warnings.warn(
+            f"estimate mode priced {named} (custom ops with no FLOP formula, whose math autopart cannot see) "
+            "by the bytes they move alone, so the plan's times may be low; plan with profile='measure' on "
+            "the target device to time them",
+            UserWarning,
+            stacklevel=3,
+        )

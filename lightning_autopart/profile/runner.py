@@ -54,6 +54,8 @@ class BlockCost:
     saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
     #: Host time of the forward and the backward where the device runs behind the host (CUDA), else 0.
     host_us: tuple[float, float] = (0.0, 0.0)
+    #: Custom ops the counter could not see into (their FLOPs are unknown; see ``OpCounter.opaque``).
+    opaque_ops: frozenset[str] = frozenset()
 
     @classmethod
     def of(
@@ -85,6 +87,7 @@ class BlockCost:
             cast_bytes=memory[1],
             saved_names=saved_names,
             host_us=host_us,
+            opaque_ops=frozenset(counter.opaque),
         )
 
 

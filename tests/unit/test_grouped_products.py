@@ -1,9 +1,11 @@
-"""Grouped matrix products (a mixture of experts' matmul) are priced by their FLOPs and products: torch's
-``_grouped_mm`` in each of its layouts, and Hugging Face's fallback custom op, which a dispatch mode cannot
-see inside."""
+"""Products the counter cannot see one by one. Grouped matrix products (a mixture of experts' matmul) are
+priced by their FLOPs and products: torch's ``_grouped_mm`` in each of its layouts, and Hugging Face's
+fallback custom op, which a dispatch mode cannot see inside. Any other custom op with no FLOP formula is
+named, not silently free."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -60,3 +62,58 @@ def test_the_counter_prices_the_opaque_fallback_op(device: str) -> None:
     assert counter.counts["bwd"].flops == 2 * 2 * 10 * 8 * 6
     assert [o.gemms for o in counter.ops if o.phase == "fwd" and o.gemms] == [(Gemm("matmul", 1, 10, 6, 8),)]
     assert counter.counts["fwd"].time_us > 0
+
+
+@torch.library.custom_op("autopart_test::opaque_product", mutates_args=())
+def _opaque_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A library's kernel: a product the dispatch mode cannot see inside, with no FLOP formula."""
+    return x @ w
+
+
+@_opaque_product.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _keep(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _gradients(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = ctx.saved_tensors
+    return grad @ w.T, x.T @ grad
+
+
+_opaque_product.register_autograd(_gradients, setup_context=_keep)
+
+
+class _UsesOpaque(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 16)
+        self.second = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_opaque_product(self.first(x), self.first.weight))
+
+
+def test_a_custom_op_without_flops_is_named_not_silently_free() -> None:
+    """Estimate mode prices an op it cannot see into by its bytes alone: the profile names it, a warning says
+    so with the fix, and the plan's notes carry it. Measure mode times it: named in the profile, no
+    warning."""
+    from lightning_autopart import Cluster, plan_model
+    from lightning_autopart.capture import capture
+    from lightning_autopart.profile import profile
+
+    with torch.device("meta"):
+        model = _UsesOpaque()
+    x = torch.empty(8, 16, device="meta")
+    expected = r"priced autopart_test\.opaque_product \(custom ops .* profile='measure'"
+    with pytest.warns(UserWarning, match=expected):
+        plan = plan_model(model, x, Cluster.from_spec("h100", 1), 8)
+    assert plan.notes["unpriced_ops"] == "autopart_test.opaque_product"
+    real = _UsesOpaque()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        measured = profile(capture(real, torch.randn(8, 16)), mode="measure", repeats=1)
+    assert measured.meta["opaque_ops"] == ["autopart_test.opaque_product"]
