@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.distributed.launch import ROOT
+from tests.distributed.launch import ROOT, free_port
 
 #: A one-rank gloo job that installs the exit guard, as the strategy's setup does, then ends normally.
 _JOB = """
@@ -37,8 +37,6 @@ print("trained", flush=True)
 
 
 def _run(mode: str) -> subprocess.CompletedProcess[str]:
-    from tests.distributed.launch import free_port
-
     code = textwrap.dedent(_JOB).replace("{port}", str(free_port()))
     return subprocess.run(
         [sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True, timeout=60
