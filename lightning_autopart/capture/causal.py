@@ -11,18 +11,25 @@ plain (the mask's 40 small ops and the memory-efficient kernel instead of flash,
 and lifted tensors), computes that mask once, and when it is exactly the causal pattern (query and key of one
 length, ``tril`` over the last two dimensions, broadcast over the rest; boolean, or 0 / very negative floats)
 rewrites the call to ``attn_mask=None, is_causal=True`` and drops the mask's operations nothing else reads.
-A mask built from the user's ``attention_mask`` (padding) reads a user input and is left alone, as is any
-mask on the meta device (its values are unknown).
+A mask built from the user's ``attention_mask`` (padding) reads a user input and is left alone. A graph captured on
+the meta device (a model built with ``init_module(empty_init=True)``, or planned by estimate) computes its mask
+on meta, where values are unknown: when the mask reads nothing but the graph's own factories (aranges, ones)
+and lifted tensors with values, its operations are run again on the CPU, where they are exact; a mask that
+reads a meta buffer is left alone. Folding on meta matters twice: such a graph is the one the stages run, and
+estimate mode prices the kernel it finds (a masked kernel also saves the mask, converted to the query's dtype,
+for backward).
 """
 
 from __future__ import annotations
 
 import builtins
 import operator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["fold_causal_masks"]
 
@@ -31,6 +38,7 @@ _CHECK = torch.ops.aten._assert_tensor_metadata.default
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 #: Non-tensor helpers a mask's computation may call besides aten operators.
 _PLAIN = (builtins.getattr, operator.getitem)
+_CPU = torch.device("cpu")
 
 
 def fold_causal_masks(graph: fx.Graph, values: dict[fx.Node, Any]) -> int:
@@ -71,6 +79,8 @@ def _is_causal(mask: fx.Node, call: dict[str, Any], values: dict[fx.Node, Any]) 
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.shape[-2] != k.shape[-2]:
         return False
     value = _evaluate(mask, values)
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        value = _evaluate(mask, values, device=_CPU)  # its factories again, on the CPU (see the note)
     if not isinstance(value, torch.Tensor) or value.device.type == "meta" or value.dim() < 2:
         return False
     size = q.shape[-2]
@@ -87,8 +97,12 @@ def _is_causal(mask: fx.Node, call: dict[str, Any], values: dict[fx.Node, Any]) 
     return bool(torch.equal(allowed, causal.expand_as(allowed)))
 
 
-def _evaluate(target: fx.Node, values: dict[fx.Node, Any]) -> Any:
-    """The value of ``target`` computed from lifted values alone, or None when it reads anything else."""
+def _evaluate(target: fx.Node, values: dict[fx.Node, Any], device: torch.device | None = None) -> Any:
+    """The value of ``target`` computed from lifted values alone, or None when it reads anything else.
+
+    With ``device``, operations that name the meta device run on ``device`` instead, and a lifted value on meta
+    (unknown) makes the answer None.
+    """
     env: dict[fx.Node, Any] = {}
     order: list[fx.Node] = []
     stack, seen = [target], {target}
@@ -103,19 +117,30 @@ def _evaluate(target: fx.Node, values: dict[fx.Node, Any]) -> Any:
     with torch.no_grad():
         for node in sorted(order, key=position.__getitem__):
             if node.op == "placeholder":
-                if node not in values:
-                    return None  # a user input: the mask is data
+                if node not in values or (device is not None and _on_meta(values[node])):
+                    return None  # a user input (the mask is data), or a value unknown on meta
                 env[node] = values[node]
                 continue
             fn: Any = node.target
             if node.op != "call_function" or not (isinstance(fn, torch._ops.OpOverload) or fn in _PLAIN):
                 return None
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            if device is not None:
+                args, kwargs = tree_map(partial(_off_meta, device), (args, kwargs))
             try:
                 env[node] = fn(*args, **kwargs)
             except Exception:
                 return None  # not computable here (a data-dependent op on meta, ...): leave the mask alone
     return env[target]
+
+
+def _on_meta(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(value))
+
+
+def _off_meta(device: torch.device, value: Any) -> Any:
+    """``device`` in place of the meta device (a factory's ``device=`` argument)."""
+    return device if isinstance(value, torch.device) and value.type == "meta" else value
 
 
 def _drop_unused(graph: fx.Graph, root: fx.Node) -> None:

@@ -41,7 +41,8 @@ def _run(captured: CapturedModel, inputs: list[Any]) -> Any:
 
 
 class Attention(nn.Module):
-    """Two attention layers whose mask is a buffer, a mask built from aranges, or a padding mask (an input)."""
+    """Two attention layers whose mask is a buffer, a mask built from aranges (causal, or a window), or a padding
+    mask (an input)."""
 
     def __init__(self, kind: str, size: int = 6) -> None:
         super().__init__()
@@ -57,9 +58,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         n = x.shape[1]
-        if self.kind == "arange":
+        if self.kind.startswith("arange"):
             pos = torch.arange(n, device=x.device)
-            mask: torch.Tensor = (pos[None, :] <= pos[:, None])[None, None].expand(x.shape[0], 1, n, n)
+            allowed = pos[None, :] <= pos[:, None]
+            if self.kind == "arange_window":
+                allowed &= pos[None, :] >= pos[:, None] - 1
+            mask: torch.Tensor = allowed[None, None].expand(x.shape[0], 1, n, n)
         else:
             mask = self.mask[:n, :n]
         if padding is not None:
@@ -102,10 +106,25 @@ def test_a_non_causal_or_input_dependent_mask_is_kept() -> None:
     torch.testing.assert_close(out, padded(x, padding))
 
 
-def test_a_mask_on_meta_is_left_alone() -> None:
-    """Its values are unknown on meta: nothing is folded, so nothing can be folded wrongly."""
+@pytest.mark.parametrize("kind", ["arange", "arange_window"])
+def test_a_mask_built_on_meta_from_aranges_is_computed_on_the_cpu(kind: str) -> None:
+    """A model built on meta (``init_module(empty_init=True)``, estimate mode) computes its mask on meta, where
+    values are unknown; a mask made by the graph's own factories is computed again on the CPU and folded when
+    causal, so the stages run (and estimate mode prices) the kernel eager code runs."""
     with torch.device("meta"):
-        model = Attention("arange")
+        model = Attention(kind)
+    calls = _attention_calls(capture(model, (torch.randn(2, 6, 8, device="meta"),)))
+    assert len(calls) == 2
+    if kind == "arange":
+        assert all(n.kwargs.get("is_causal") is True and not _masked(n) for n in calls)
+    else:  # not causal: computed, and kept
+        assert all(_masked(n) and not n.kwargs.get("is_causal") for n in calls)
+
+
+def test_a_mask_read_from_a_meta_buffer_is_left_alone() -> None:
+    """A buffer's values are unknown on meta: nothing is folded, so nothing can be folded wrongly."""
+    with torch.device("meta"):
+        model = Attention("buffer")
     captured = capture(model, (torch.randn(2, 6, 8, device="meta"),))
     assert all(_masked(n) for n in _attention_calls(captured))
 
@@ -138,3 +157,17 @@ def test_hf_llama_attention_runs_causal_as_eagerly() -> None:
     out = captured.output.rebuild(tensors)
     torch.testing.assert_close(out.loss, reference.loss)
     torch.testing.assert_close(out.logits, reference.logits)
+
+
+def test_hf_llama_built_on_meta_runs_causal_as_eagerly() -> None:
+    """The decoder a user builds under ``init_module(empty_init=True)``: its mask is made on meta."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    calls = _attention_calls(capture(model, {"input_ids": ids, "labels": ids, "use_cache": False}))
+    assert len(calls) == 2 and all(n.kwargs.get("is_causal") is True and not _masked(n) for n in calls)
