@@ -36,7 +36,8 @@ class FusedAttention(TorchFunctionMode):
     On meta, sdpa would take its math path: a materialised ``T x T`` score matrix, several kernels, and
     that matrix saved for backward. Real devices run a fused kernel that saves only the output and the
     log-sum-exp, so the estimate uses the CPU flash-attention op, which has meta kernels, a derivative
-    and (see ``opcount``) FLOP formulas. Calls it cannot express (grouped-query heads, non-4-D) pass through.
+    and (see ``opcount``) FLOP formulas. A boolean mask becomes an additive one first, as sdpa does. Calls it
+    cannot express (grouped-query heads, a learned bias as the mask, non-4-D) pass through.
     """
 
     def __torch_function__(
@@ -69,10 +70,19 @@ def _fused_sdpa(
         return (
             None  # a learned bias as the mask (T5's position bias): the fused kernel has no gradient for it
         )
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:
+        attn_mask = _additive(attn_mask, q.dtype)
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
     return out
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive one every sdpa kernel receives: a new tensor in the query's dtype, made
+    at each call (so each attention saves its own), as ``scaled_dot_product_attention`` converts it."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask.logical_not(), float("-inf"), zero)
 
 
 def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> BlockCost:

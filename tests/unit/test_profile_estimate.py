@@ -115,3 +115,40 @@ def test_estimate_is_fast_for_billions_of_parameters() -> None:
     assert time.perf_counter() - start < 10.0
     assert prof.param_count == 100 * 5000 * 5001
     assert prof.blocks[7].optimizer_bytes == 2 * 5000 * 5001 * F32
+
+
+class PaddedEncoder(nn.Module):
+    """Two bidirectional attention layers that share one boolean padding mask, as encoders pass it down."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.layers = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        mask = padding[:, None, None, :].bool().expand(b, 1, t, t)
+        for layer in self.layers:
+            q, k, v = layer(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + attended.transpose(1, 2).reshape(b, t, d)
+        return x
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16-mixed"])
+def test_estimate_saves_a_boolean_mask_as_each_kernel_does(dtype: str | None) -> None:
+    """sdpa turns a boolean mask into an additive one in the query's dtype at every call, and a masked kernel
+    saves that copy for backward: estimate mode must price the copy, not the boolean mask it was given."""
+    from lightning_autopart.capture import capture
+
+    batch, seq, dim = 2, 64, 32
+    padding = torch.ones(batch, seq, dtype=torch.long)
+    padding[0, seq // 2 :] = 0
+    cap = capture(PaddedEncoder(dim), (torch.randn(batch, seq, dim), padding))
+    est = profile_cpu(cap, "estimate", spec="a100", dtype=dtype)
+    measured = profile_cpu(cap, warmup=0, repeats=1, dtype=dtype)
+    saved = [b.activation_bytes for b in est.blocks]
+    assert saved == [b.activation_bytes for b in measured.blocks]
+    per_element = 2 if dtype else F32
+    masks = 2 * batch * seq * seq * per_element  # one copy per layer, in the query's dtype
+    assert sum(saved) > masks
