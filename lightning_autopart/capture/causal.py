@@ -10,7 +10,9 @@ plain (the mask's 40 small ops and the memory-efficient kernel instead of flash,
 :func:`fold_causal_masks` finds every attention whose mask depends on no user input (only on constants, shapes
 and lifted tensors), computes that mask once, and when it is exactly the causal pattern (query and key of one
 length, ``tril`` over the last two dimensions, broadcast over the rest; boolean, or 0 / very negative floats)
-rewrites the call to ``attn_mask=None, is_causal=True`` and drops the mask's operations nothing else reads.
+rewrites the call to ``attn_mask=None, is_causal=True`` and drops the mask's operations nothing else reads. A
+constant mask that masks nothing (an encoder's or a vision model's mask without padding, all true: ViT, BART's
+encoder) is dropped the same way, as eager code passes no mask there and runs flash.
 A mask built from the user's ``attention_mask`` (padding) reads a user input and is left alone. A graph captured on
 the meta device (a model built with ``init_module(empty_init=True)``, or planned by estimate) computes its mask
 on meta, where values are unknown: when the mask reads nothing but the graph's own factories (aranges, ones)
@@ -42,7 +44,8 @@ _CPU = torch.device("cpu")
 
 
 def fold_causal_masks(graph: fx.Graph, values: dict[fx.Node, Any]) -> int:
-    """Rewrite attention calls of ``graph`` whose mask is a constant causal mask; returns how many.
+    """Rewrite attention calls of ``graph`` whose mask is a constant causal mask, or one that masks nothing;
+    returns how many.
 
     Args:
         graph: an exported graph (aten operators).
@@ -50,7 +53,7 @@ def fold_causal_masks(graph: fx.Graph, values: dict[fx.Node, Any]) -> int:
             computation reads any other placeholder (a user input) is not folded.
     """
     folded = 0
-    known: dict[fx.Node, bool] = {}
+    known: dict[fx.Node, str | None] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _SDPA:
             continue
@@ -59,42 +62,46 @@ def fold_causal_masks(graph: fx.Graph, values: dict[fx.Node, Any]) -> int:
         if not isinstance(mask, fx.Node) or call.get("is_causal", False):
             continue
         if mask not in known:
-            known[mask] = _is_causal(mask, call, values)
-        if not known[mask]:
+            known[mask] = _kind(mask, call, values)
+        if known[mask] is None:
             continue
         call.pop("attn_mask")
-        call["is_causal"] = True
+        if known[mask] == "causal":
+            call["is_causal"] = True
         node.args = (call.pop("query"), call.pop("key"), call.pop("value"))
         node.kwargs = call
         folded += 1
-    for mask, causal in known.items():
-        if causal:
+    for mask, kind in known.items():
+        if kind is not None:
             _drop_unused(graph, mask)
     return folded
 
 
-def _is_causal(mask: fx.Node, call: dict[str, Any], values: dict[fx.Node, Any]) -> bool:
-    """Whether ``mask`` depends on no user input and is the causal mask of this query and key length."""
+def _kind(mask: fx.Node, call: dict[str, Any], values: dict[fx.Node, Any]) -> str | None:
+    """"causal" when ``mask`` depends on no user input and is the causal mask of this query and key length,
+    "full" when it depends on no user input and masks nothing (a bidirectional mask without padding), else None."""
     q, k = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (call["query"], call["key"]))
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.shape[-2] != k.shape[-2]:
-        return False
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return None
     value = _evaluate(mask, values)
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         value = _evaluate(mask, values, device=_CPU)  # its factories again, on the CPU (see the note)
     if not isinstance(value, torch.Tensor) or value.device.type == "meta" or value.dim() < 2:
-        return False
-    size = q.shape[-2]
-    if tuple(value.shape[-2:]) != (size, size):
-        return False
+        return None
     allowed = value if value.dtype == torch.bool else value == 0
     if value.is_floating_point():
         blocked = value[~allowed]
         if blocked.numel() and not bool((blocked <= torch.finfo(value.dtype).min / 2).all()):
-            return False
+            return None
     elif value.dtype != torch.bool:
-        return False
+        return None
+    if bool(allowed.all()):
+        return "full"
+    size = q.shape[-2]
+    if k.shape[-2] != size or tuple(value.shape[-2:]) != (size, size):
+        return None
     causal = torch.ones(size, size, dtype=torch.bool, device=value.device).tril()
-    return bool(torch.equal(allowed, causal.expand_as(allowed)))
+    return "causal" if bool(torch.equal(allowed, causal.expand_as(allowed))) else None
 
 
 def _evaluate(target: fx.Node, values: dict[fx.Node, Any], device: torch.device | None = None) -> Any:

@@ -41,17 +41,19 @@ def _run(captured: CapturedModel, inputs: list[Any]) -> Any:
 
 
 class Attention(nn.Module):
-    """Two attention layers whose mask is a buffer, a mask built from aranges (causal, or a window), or a padding
-    mask (an input)."""
+    """Two attention layers whose mask is a buffer (causal, a window, or all true), a mask built from aranges
+    (causal, or a window), or a padding mask (an input)."""
 
     def __init__(self, kind: str, size: int = 6) -> None:
         super().__init__()
         self.kind = kind
         self.layers = nn.ModuleList(nn.Linear(8, 24) for _ in range(2))
-        pattern = torch.ones(size, size, dtype=torch.bool).tril()
+        pattern = torch.ones(size, size, dtype=torch.bool)
+        if not kind.startswith("full"):
+            pattern = pattern.tril()
         if kind == "window":  # causal, but only the last 2 positions: not what is_causal computes
             pattern &= torch.ones(size, size, dtype=torch.bool).triu(-1)
-        if kind == "additive":
+        if kind.endswith("additive"):
             self.register_buffer("mask", torch.zeros(size, size).masked_fill(~pattern, float("-inf")))
         else:
             self.register_buffer("mask", pattern)
@@ -133,11 +135,26 @@ def test_fold_reports_its_count_and_needs_equal_lengths() -> None:
     graph = fx.Graph()
     q, k = graph.placeholder("q"), graph.placeholder("k")
     q.meta["val"], k.meta["val"] = torch.empty(1, 1, 4, 2), torch.empty(1, 1, 5, 2)
-    mask = graph.call_function(torch.ops.aten.ones.default, ([4, 5],), {"dtype": torch.bool})
-    out = graph.call_function(_SDPA, (q, k, k, mask))
-    graph.output(out)
-    assert fold_causal_masks(graph, {}) == 0  # query 4 and key 5 long: is_causal would align differently
-    assert out.args[3] is mask
+    ones = graph.call_function(torch.ops.aten.ones.default, ([4, 5],), {"dtype": torch.bool})
+    mask = graph.call_function(torch.ops.aten.tril.default, (ones,))
+    masked = graph.call_function(_SDPA, (q, k, k, mask))
+    full = graph.call_function(_SDPA, (q, k, k, ones))
+    graph.output((masked, full))
+    assert fold_causal_masks(graph, {}) == 1
+    assert masked.args[3] is mask  # query 4 and key 5 long: is_causal would align differently
+    assert len(full.args) == 3 and not full.kwargs.get("is_causal")  # all true: no mask, whatever the lengths
+
+
+@pytest.mark.parametrize("kind", ["full", "full_additive"])
+def test_a_constant_mask_that_masks_nothing_is_dropped(kind: str) -> None:
+    """An encoder's or a vision model's mask without padding: eager code passes none and runs flash."""
+    torch.manual_seed(0)
+    model, x = Attention(kind), torch.randn(2, 6, 8)
+    captured = capture(model, (x,))
+    calls = _attention_calls(captured)
+    assert len(calls) == 2 and not any(_masked(n) or n.kwargs.get("is_causal") for n in calls)
+    (out,) = _run(captured, [x])
+    torch.testing.assert_close(out, model(x))
 
 
 def test_hf_llama_attention_runs_causal_as_eagerly() -> None:
