@@ -1,0 +1,137 @@
+"""Tiny configs of many Hugging Face architectures, each with the inputs it takes: decoders, encoders,
+encoder-decoders, convolutional and windowed vision models, speech. Shared by the estimate-mode planning checks
+(tests/unit/test_hf_architectures.py) and the check that estimate mode agrees with a measured CPU run
+(tests/unit/test_estimate_agrees.py). Importing this module imports ``transformers``: guard it with
+``pytest.importorskip("transformers")``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import transformers
+from torch import nn
+
+__all__ = ["ARCHITECTURES", "SMALL", "Architecture", "build", "inputs"]
+
+
+class Architecture(NamedTuple):
+    """One architecture: its config class, model class, tiny settings and input shapes (a batch of 4)."""
+
+    config: str
+    model: str
+    settings: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+
+
+#: Tiny settings of the decoders that spell them the Llama way.
+SMALL: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "vocab_size": 64,
+    "max_position_embeddings": 32,
+}
+_TOKENS = {"input_ids": (4, 12)}
+_PADDED = {"input_ids": (4, 12), "attention_mask": (4, 12)}
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen2": Architecture("Qwen2Config", "Qwen2ForCausalLM", {**SMALL, "num_key_value_heads": 2}, _TOKENS),
+    "qwen3": Architecture("Qwen3Config", "Qwen3ForCausalLM", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8,
+    }, _TOKENS),
+    "gemma": Architecture("GemmaConfig", "GemmaForCausalLM", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8,
+    }, _TOKENS),
+    "phi": Architecture("PhiConfig", "PhiForCausalLM", SMALL, _TOKENS),
+    "gpt_neox": Architecture("GPTNeoXConfig", "GPTNeoXForCausalLM", SMALL, _TOKENS),
+    "opt": Architecture("OPTConfig", "OPTForCausalLM", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32, "word_embed_proj_dim": 32,
+    }, _TOKENS),
+    "falcon": Architecture("FalconConfig", "FalconForCausalLM", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+    }, _TOKENS),
+    "bloom": Architecture("BloomConfig", "BloomForCausalLM", {
+        "hidden_size": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64,
+    }, _TOKENS),
+    "gptj": Architecture("GPTJConfig", "GPTJForCausalLM", {
+        "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32, "rotary_dim": 4,
+    }, _TOKENS),
+    "roberta": Architecture("RobertaConfig", "RobertaForMaskedLM", {
+        **SMALL, "max_position_embeddings": 40,
+    }, _PADDED),
+    "distilbert": Architecture("DistilBertConfig", "DistilBertForSequenceClassification", {
+        "dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }, _PADDED),
+    "bart": Architecture("BartConfig", "BartForConditionalGeneration", {
+        "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }, {"input_ids": (4, 12), "decoder_input_ids": (4, 12)}),
+    "convnext": Architecture("ConvNextConfig", "ConvNextForImageClassification", {
+        "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 2, 1], "num_labels": 3,
+    }, {"pixel_values": (4, 3, 64, 64)}),
+    "resnet": Architecture("ResNetConfig", "ResNetForImageClassification", {
+        "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1], "num_labels": 3,
+    }, {"pixel_values": (4, 3, 64, 64)}),
+    "swin": Architecture("SwinConfig", "SwinForImageClassification", {
+        "image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2],
+        "window_size": 4, "num_labels": 3,
+    }, {"pixel_values": (4, 3, 32, 32)}),
+    "segformer": Architecture("SegformerConfig", "SegformerForSemanticSegmentation", {
+        "depths": [1, 1], "hidden_sizes": [16, 32], "num_attention_heads": [1, 2], "sr_ratios": [2, 1],
+        "num_encoder_blocks": 2, "decoder_hidden_size": 32, "num_labels": 3, "patch_sizes": [7, 3],
+        "strides": [4, 2],
+    }, {"pixel_values": (4, 3, 64, 64)}),
+    "clip_vision": Architecture("CLIPVisionConfig", "CLIPVisionModel", {
+        "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "intermediate_size": 64,
+    }, {"pixel_values": (4, 3, 32, 32)}),
+    "whisper": Architecture("WhisperConfig", "WhisperForConditionalGeneration", {
+        "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 100,
+        "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 16, "pad_token_id": 0,
+        "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+    }, {"input_features": (4, 16, 32), "decoder_input_ids": (4, 8)}),
+    "gpt2_double_heads": Architecture("GPT2Config", "GPT2DoubleHeadsModel", {
+        "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64, "n_positions": 16,
+    }, _TOKENS),
+}  # fmt: skip
+
+
+def build(name: str, device: str = "meta", *, dropout: bool = True) -> nn.Module:
+    """Architecture ``name`` from its tiny config, built on ``device`` (random weights, seed 0 off meta).
+
+    ``dropout=False`` sets every dropout probability of the config to 0.0.
+    """
+    arch = ARCHITECTURES[name]
+    config = getattr(transformers, arch.config)(**arch.settings)
+    if not dropout:
+        for key, value in vars(config).items():
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: nn.Module = getattr(transformers, arch.model)(config)
+    return model
+
+
+def inputs(name: str, device: str = "meta") -> dict[str, torch.Tensor]:
+    """The inputs of architecture ``name`` on ``device``: token ids (below 50), float features, and attention
+    masks that pad the last 4 positions of the first sample (on meta: shapes and dtypes only)."""
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, torch.Tensor] = {}
+    for key, shape in ARCHITECTURES[name].shapes.items():
+        if key.endswith("_ids"):
+            value = torch.randint(0, 50, shape, generator=g)
+        elif key == "attention_mask":
+            value = torch.ones(shape, dtype=torch.long)
+            value[0, -4:] = 0
+        else:
+            value = torch.randn(shape, generator=g)
+        out[key] = value.to(device)
+    return out
