@@ -36,8 +36,9 @@ class FusedAttention(TorchFunctionMode):
     On meta, sdpa would take its math path: a materialised ``T x T`` score matrix, several kernels, and
     that matrix saved for backward. Real devices run a fused kernel that saves only the output and the
     log-sum-exp, so the estimate uses the CPU flash-attention op, which has meta kernels, a derivative
-    and (see ``opcount``) FLOP formulas. A boolean mask becomes an additive one first, as sdpa does. Calls it
-    cannot express (grouped-query heads, a learned bias as the mask, non-4-D) pass through.
+    and (see ``opcount``) FLOP formulas. A boolean mask becomes an additive one first, as sdpa does. Calls a
+    GPU runs on the math path pass through: grouped key/value heads in float32 or with a mask, a learned bias
+    as the mask; so do calls that are not 4-D.
     """
 
     def __torch_function__(
@@ -62,10 +63,10 @@ def _fused_sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor | None:
     tensors = (q, k, v)
-    if enable_gqa or not all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in tensors):
         return None
-    if not q.shape[1] == k.shape[1] == v.shape[1]:
-        return None
+    if not q.shape[1] == k.shape[1] == v.shape[1] and not _flash_groups(q, k, v, attn_mask, enable_gqa):
+        return None  # grouped heads a GPU runs on the math path
     if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
         return (
             None  # a learned bias as the mask (T5's position bias): the fused kernel has no gradient for it
@@ -76,6 +77,15 @@ def _fused_sdpa(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
     return out
+
+
+def _flash_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_gqa: bool) -> bool:
+    """Whether a GPU runs these grouped key/value heads fused: only flash attention takes them (half
+    precision, no mask); memory-efficient attention does not, so float32 or a mask means the math path. The CPU
+    flash op estimate mode calls takes grouped heads as they are, so nothing is repeated."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    grouped = enable_gqa and kv_heads == v.shape[1] and heads % kv_heads == 0
+    return grouped and mask is None and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -152,3 +152,34 @@ def test_estimate_saves_a_boolean_mask_as_each_kernel_does(dtype: str | None) ->
     per_element = 2 if dtype else F32
     masks = 2 * batch * seq * seq * per_element  # one copy per layer, in the query's dtype
     assert sum(saved) > masks
+
+
+class GroupedAttention(nn.Module):
+    """Causal attention with 8 query heads sharing 2 key/value heads, passed to sdpa as ``enable_gqa=True``."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim * kv_heads // heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.kv_heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, d)
+
+
+def test_estimate_runs_grouped_heads_as_a_gpu_does() -> None:
+    """A GPU runs grouped key/value heads fused only in flash attention (half precision, no mask): estimate mode
+    prices bf16 as the fused kernel, with the key/value heads unrepeated, and float32 as the math path."""
+    batch, seq, heads = 2, 128, 8
+    cap = chain(nn.Sequential(nn.Linear(64, 64), GroupedAttention(64, heads)), torch.randn(batch, seq, 64))
+    bf16 = profile_cpu(cap, "estimate", spec="h100", dtype="bf16-mixed")
+    measured = profile_cpu(cap, warmup=0, repeats=1, dtype="bf16-mixed")  # the CPU's flash takes groups too
+    assert bf16.blocks[1].activation_bytes == measured.blocks[1].activation_bytes
+    assert bf16.meta["per_block"][1]["bwd_flops"] == measured.meta["per_block"][1]["bwd_flops"]
+    scores = batch * heads * seq * seq * F32
+    assert bf16.blocks[1].activation_bytes < scores / 4
+    assert profile_cpu(cap, "estimate", spec="h100").blocks[1].activation_bytes > scores
