@@ -232,7 +232,8 @@ def profile(
     opaque = sorted({op for entry in per_block for op in entry.get("opaque_ops", ())})
     if opaque:
         meta["opaque_ops"] = opaque
-        _warn_opaque(opaque, mode)
+        if mode == "estimate":
+            _warn_opaque(opaque)
     records = _shared_saves(records, indices, captured, measured_names, precision)
     if twin is not None:
         meta["curve_sizes"] = sorted(set(sizes))
@@ -389,15 +390,14 @@ def _with_curve(
     return with_curve(record, curve)
 
 
-def _warn_opaque(ops: list[str], mode: str) -> None:
-    """Say which custom ops have no FLOP formula (their math is invisible to the counter): in estimate mode
+def _warn_opaque(ops: list[str]) -> None:
+    """Say which custom ops estimate mode priced with no FLOP formula (their math is invisible to the counter):
     their time is only the bytes they move, so a plan may price them low; measure mode times them."""
     named = ", ".join(ops[:5]) + (f" and {len(ops) - 5} more" if len(ops) > 5 else "")
-    if mode == "estimate":
-        warnings.warn(
-            f"estimate mode priced {named} (custom ops with no FLOP formula, whose math autopart cannot see) "
-            "by the bytes they move alone, so the plan's times may be low; plan with profile='measure' on "
-            "the target device to time them",
-            UserWarning,
-            stacklevel=3,
-        )
+    warnings.warn(
+        f"estimate mode priced {named} (custom ops with no FLOP formula, whose math autopart cannot see) "
+        "by the bytes they move alone, so the plan's times may be low; plan with profile='measure' on "
+        "the target device to time them",
+        UserWarning,
+        stacklevel=3,
+    )
