@@ -188,3 +188,15 @@ def test_hf_llama_built_on_meta_runs_causal_as_eagerly() -> None:
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
     calls = _attention_calls(capture(model, {"input_ids": ids, "labels": ids, "use_cache": False}))
     assert len(calls) == 2 and all(n.kwargs.get("is_causal") is True and not _masked(n) for n in calls)
+
+
+def test_the_gpt_example_built_on_meta_runs_causal() -> None:
+    """examples/gpt.py makes its mask with ``tril(ones(..., device=x.device))``: built under
+    ``init_module(empty_init=True)`` (meta), its stages must still run ``is_causal=True``, not the masked kernel."""
+    from examples.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT.from_preset("tiny")
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    calls = _attention_calls(capture(model, (tokens,)))
+    assert calls and all(n.kwargs.get("is_causal") is True and not _masked(n) for n in calls)
