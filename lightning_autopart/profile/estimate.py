@@ -24,6 +24,8 @@ from lightning_autopart.profile.runner import BlockCost, Runner
 __all__: list[str] = []
 
 _META = torch.device("meta")
+#: Largest head size flash attention takes on a GPU.
+_FLASH_HEAD_SIZE = 256
 _SDPA = {
     torch.nn.functional.scaled_dot_product_attention,
     torch.ops.aten.scaled_dot_product_attention.default,
@@ -81,11 +83,12 @@ def _fused_sdpa(
 
 def _flash_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_gqa: bool) -> bool:
     """Whether a GPU runs these grouped key/value heads fused: only flash attention takes them (half
-    precision, no mask); memory-efficient attention does not, so float32 or a mask means the math path. The CPU
-    flash op estimate mode calls takes grouped heads as they are, so nothing is repeated."""
+    precision, no mask, head size up to 256); memory-efficient attention does not, so float32 or a mask means
+    the math path. The CPU flash op estimate mode calls takes grouped heads as they are: nothing is repeated."""
     heads, kv_heads = q.shape[1], k.shape[1]
     grouped = enable_gqa and kv_heads == v.shape[1] and heads % kv_heads == 0
-    return grouped and mask is None and q.dtype in (torch.float16, torch.bfloat16)
+    flash = mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= _FLASH_HEAD_SIZE
+    return grouped and flash
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
