@@ -75,14 +75,22 @@ _NO_KERNEL = {
 #: decomposition may hide math the counter cannot see (see :attr:`OpCounter.opaque`).
 _OWN_NAMESPACES = frozenset({"aten", "prim", "prims"})
 
+def _heads(shape: Any, heads: int) -> tuple[int, ...]:
+    """A key or value shape ``(b, h, s, d)`` with the query's ``heads``: grouped key/value heads cost what
+    repeated ones do, and torch before 2.13 counts only equal heads."""
+    return (shape[0], heads, *shape[2:])
+
+
 #: FLOP formulas torch.utils.flop_counter lacks: CPU flash attention (what CPU runs and meta estimates use).
 _EXTRA_FLOPS: dict[Any, Any] = {
     _aten._scaled_dot_product_flash_attention_for_cpu: (
-        lambda q, k, v, *args, out_val=None, **kwargs: sdpa_flop_count(q.shape, k.shape, v.shape)
+        lambda q, k, v, *args, out_val=None, **kwargs: sdpa_flop_count(
+            q.shape, _heads(k.shape, q.shape[1]), _heads(v.shape, q.shape[1])
+        )
     ),
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: (
         lambda g, q, k, v, *args, out_val=None, **kwargs: sdpa_backward_flop_count(
-            g.shape, q.shape, k.shape, v.shape
+            g.shape, q.shape, _heads(k.shape, q.shape[1]), _heads(v.shape, q.shape[1])
         )
     ),
 }
