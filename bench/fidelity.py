@@ -1,7 +1,8 @@
 """Fidelity of the cost model: predicted step time and peak memory against plain Lightning on one device.
 
 Usage: ``python bench/fidelity.py [--steps 20] [--warmup 5] [--cases ...] [--modes estimate measure]
-[--json out.json]``; a smoke test without a GPU: ``python bench/fidelity.py --tiny --accelerator cpu``.
+[--json out.json]``; a smoke test without a GPU: ``python bench/fidelity.py --tiny --accelerator cpu``;
+estimate mode's predictions alone, on any machine: ``python bench/fidelity.py --predict-only h100``.
 
 Each case is a model x batch x precision x optimizer. **Measured**: plain Lightning (``strategy="auto"``,
 ``devices=1``, the case's precision, no logger, no checkpoints) trains the example's own model and
@@ -44,7 +45,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -292,6 +293,24 @@ def _device_memory(cuda: bool) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def predict_only(chosen: dict[str, FidelityCase], names: list[str], spec_name: str) -> list[dict[str, Any]]:
+    """Estimate mode's predicted step and peak for each case on ``spec_name``, with no device and no training:
+    to compare two versions of the cost model against a table of measurements taken before."""
+    from lightning_autopart.profile import resolve_spec
+
+    spec, rows = resolve_spec(spec_name), []
+    print(f"estimate mode on spec {spec.name}; torch {torch.__version__}\n\n| case | predicted ms | predicted GB |")
+    print("|---|---:|---:|")
+    for key in names:
+        case = chosen[key]
+        batch = next(iter(DataLoader(case.data(case.batch), batch_size=case.batch)))
+        with contextlib.redirect_stdout(sys.stderr):
+            p = predict(case, batch, "estimate", spec, spec.memory_bytes)
+        rows.append({"case": case.name, "estimate": p})
+        print(f"| {case.name} | {p['step_ms']:.2f} | {_gb(p['peak_bytes'])}{'' if p['fits'] else ' (no fit)'} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -305,7 +324,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, --tiny 2)")
     parser.add_argument("--json", type=Path, default=None, help="also write every step time and prediction")
     parser.add_argument("--ops", action="store_true", help="also trace device time per op (in the json)")
+    parser.add_argument("--predict-only", metavar="SPEC", default=None,
+                        help="no training: print estimate mode's predictions on device spec SPEC (any machine)")
     args = parser.parse_args(argv)
+    if args.predict_only:
+        return predict_only(cases(args.tiny), args.cases, args.predict_only)
     steps = args.steps if args.steps is not None else (5 if args.tiny else 20)
     warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5)
     if args.accelerator == "gpu" and not torch.cuda.is_available():

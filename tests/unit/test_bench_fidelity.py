@@ -55,3 +55,11 @@ def test_worst_case_is_farthest_from_one() -> None:
     assert "estimate time 0.80x (b; goal +-20%: NOT met)" in worst  # 1/0.8 = 1.25 beats 1.15
     assert "estimate peak 0.50x (a;" in worst and "measure time 0.80x (b; goal +-10%: NOT met)" in worst
     assert "| c | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 | - | 1.00 | 1.00 | 1.00 | - |" in text
+
+
+def test_predict_only_needs_no_device_and_trains_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = fidelity.main(["--tiny", "--cases", CASE, "--predict-only", "h100"])
+    table = capsys.readouterr().out
+    assert "spec h100-80gb" in table and f"| {CASE} |" in table
+    (row,) = rows
+    assert "measured" not in row and row["estimate"]["step_ms"] > 0 and row["estimate"]["on_meta"]
