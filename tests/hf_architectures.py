@@ -87,6 +87,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         "num_encoder_blocks": 2, "decoder_hidden_size": 32, "num_labels": 3, "patch_sizes": [7, 3],
         "strides": [4, 2],
     }, {"pixel_values": (4, 3, 64, 64)}),
+    "beit": Architecture("BeitConfig", "BeitForImageClassification", {
+        "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 64, "use_relative_position_bias": True, "num_labels": 3,
+    }, {"pixel_values": (4, 3, 32, 32)}),
     "clip_vision": Architecture("CLIPVisionConfig", "CLIPVisionModel", {
         "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 2, "intermediate_size": 64,

@@ -9,7 +9,10 @@ tensor input, else its first parameter or buffer on the capture device), read wh
 that differs from the capture device (an explicit ``.cpu()`` in a GPU model) stays as written. A constant that
 the forward made without a device (a Hugging Face sliding-window cache's ``torch.tensor(...)``) lives on the
 CPU whatever the capture device, so a model captured on ``meta`` must not read its device from one: Mistral's
-rotary embedding then moved its ``meta`` frequencies to the CPU and estimate mode could not capture it.
+rotary embedding then moved its ``meta`` frequencies to the CPU and estimate mode could not capture it. Such a
+constant also stays where it is when the profiler copies the program to another device (:func:`stays_put`):
+BEiT captured on ``meta`` builds its relative-position index on the CPU, filling it with constants that a copy
+moved to ``meta`` had no values for.
 torch.export's own checks of a tensor's dtype and device (``_assert_tensor_metadata``, emitted before
 ``.to(...)``) are removed: the device moves, and under autocast a value's dtype is not the traced one.
 
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["MODES_ATTRIBUTE", "ModeSwitch", "home_device", "make_portable"]
+__all__ = ["MODES_ATTRIBUTE", "ModeSwitch", "home_device", "make_portable", "stays_put"]
 
 _aten = torch.ops.aten
 
@@ -46,6 +49,8 @@ _MODE_ARGS: dict[Any, int] = {
 
 #: Name of the program attribute holding the :class:`ModeSwitch`.
 MODES_ATTRIBUTE = "_autopart_modes"
+#: Name of the program attribute holding the device it was captured on.
+HOME_ATTRIBUTE = "_autopart_home"
 
 
 class ModeSwitch:
@@ -75,6 +80,7 @@ def make_portable(program: fx.GraphModule, home: torch.device | None, switch: Mo
         if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
             program.graph.erase_node(node)
     _follow_device(program, home)
+    setattr(program, HOME_ATTRIBUTE, home)
     setattr(program, MODES_ATTRIBUTE, switch)  # before the graph reads it (fx checks get_attr targets)
     if not _follow_mode(program.graph, switch):
         delattr(program, MODES_ATTRIBUTE)
@@ -124,6 +130,14 @@ def _mode_position(node: fx.Node) -> int | None:
     if node.target is _aten.batch_norm.default and node.args[3] is None:
         return None
     return position
+
+
+def stays_put(program: nn.Module, constant: torch.Tensor) -> bool:
+    """Whether a tensor constant of ``program`` keeps its device when a copy of the program moves: it lives
+    on another device than the program was captured on (a constant made without a device, on the CPU, in a
+    capture on ``meta``), as a device constant other than the capture device stays as written."""
+    home = getattr(program, HOME_ATTRIBUTE, None)
+    return isinstance(home, torch.device) and not _same(constant.device, home)
 
 
 def home_device(values: list[Any]) -> torch.device | None:

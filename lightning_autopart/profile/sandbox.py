@@ -12,6 +12,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from lightning_autopart.capture.graph import Block
+from lightning_autopart.capture.portable import stays_put
 
 __all__: list[str] = []
 
@@ -72,7 +73,8 @@ def copy_program(program: nn.Module, device: torch.device, dtype: torch.dtype | 
     Parameters, buffers and other tensor attributes are pre-seeded in the deepcopy memo, so their storage
     is never duplicated on the source device: copying a block of a 10 GB model to meta costs no memory.
     Floating parameters and buffers are cast to ``dtype`` (as ``module.to(dtype)`` does); constants keep
-    theirs.
+    theirs, and a constant on another device than the program was captured on stays there (see
+    :func:`~lightning_autopart.capture.portable.stays_put`).
     """
     memo: dict[int, Any] = {}
     for t in attribute_tensors(program):
@@ -81,11 +83,11 @@ def copy_program(program: nn.Module, device: torch.device, dtype: torch.dtype | 
                 convert_tensor(t, device, dtype, "param"), requires_grad=t.requires_grad
             )
         else:
-            memo[id(t)] = convert_tensor(t, device, None, "buffer")
+            memo[id(t)] = convert_tensor(t, t.device if stays_put(program, t) else device, None, "buffer")
     for p in program.parameters():
         memo[id(p)] = nn.Parameter(convert_tensor(p, device, dtype, "param"), requires_grad=p.requires_grad)
-    for b in program.buffers():
-        memo[id(b)] = convert_tensor(b, device, dtype, "buffer")
+    for b in program.buffers():  # lifted constants are buffers of the program too
+        memo[id(b)] = convert_tensor(b, b.device if stays_put(program, b) else device, dtype, "buffer")
     with warnings.catch_warnings():  # deep-copying pytree specs held by a program warns in torch >= 2.10
         warnings.filterwarnings("ignore", message=".*treespec", category=FutureWarning)
         clone = copy.deepcopy(program, memo)

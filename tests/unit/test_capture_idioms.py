@@ -199,6 +199,34 @@ def test_a_cpu_constant_does_not_pin_a_meta_capture_to_the_cpu() -> None:
     assert cpu_out.device.type == "cpu" and tuple(cpu_out.shape) == (2, 5, 4)
 
 
+class CpuIndexBias(nn.Module):
+    """Like BEiT's relative position bias: an index built on the CPU (no device given) and filled with Python
+    integers, which torch.export lifts as constants, then used to gather rows of a parameter table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 8))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.zeros(x.shape[1], dtype=torch.long)
+        index[1:] = torch.arange(1, x.shape[1]) % 5
+        index[0] = 6
+        return self.proj(x) + self.table[index]
+
+
+def test_a_cpu_index_in_a_meta_capture_is_profiled_in_estimate_mode() -> None:
+    """[Note: portable programs]: built on meta, the program fills a CPU index with constants that the profiler's
+    meta copy must leave on the CPU (moved to meta, they had no values: "Cannot copy out of meta tensor")."""
+    from lightning_autopart.profile import profile
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), CpuIndexBias())
+    captured = capture(model, torch.zeros(2, 6, 8, device="meta"))
+    prof = profile(captured, "estimate", spec="h100")
+    assert all(b.fwd_us > 0 for b in prof.blocks) and prof.blocks[-1].fwd_flops > 0
+
+
 def test_stages_follow_the_models_train_and_eval_modes() -> None:
     """Dropout and BatchNorm flags are read from the user's modules when the stages run (captured in train mode)."""
     model, x = make("factory"), example("factory")
