@@ -1,0 +1,149 @@
+"""Estimate mode on Hugging Face architectures beyond the test tier: planned from meta, and checked against a
+measured CPU run of the same capture.
+
+Usage: ``python bench/hf_sweep.py [NAME ...]`` (default: every architecture below). One process on the CPU,
+configs only (random weights, nothing downloaded), every dropout off. Per architecture it prints whether a
+model built on ``meta`` is planned in estimate mode (2 x H100, batch 16, 2 stages, AdamW). Then, for one
+capture of a model built on the CPU, it prints whether estimate mode and measure mode count the same forward
+and backward FLOPs, saved bytes and backward transient block by block (as tests/unit/test_estimate_agrees.py
+does for the tier's models), with the first differing blocks.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_autopart import Cluster, plan_model
+from lightning_autopart.capture import capture
+from lightning_autopart.profile import profile
+from tests.hf_architectures import SMALL, Architecture
+from tests.unit.test_estimate_agrees import FIELDS, _fields
+
+__all__: list[str] = []
+
+_TOKENS = {"input_ids": (4, 12)}
+_PADDED = {"input_ids": (4, 12), "attention_mask": (4, 12)}
+_IMAGES = {"pixel_values": (4, 3, 32, 32)}
+_GQA = {**SMALL, "num_key_value_heads": 2}
+_VISION = {
+    "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+}  # fmt: skip
+
+SWEEP: dict[str, Architecture] = {
+    "albert": Architecture("AlbertConfig", "AlbertForMaskedLM", {**SMALL, "embedding_size": 16}, _PADDED),
+    "deberta_v2": Architecture("DebertaV2Config", "DebertaV2ForMaskedLM", SMALL, _PADDED),
+    "electra": Architecture("ElectraConfig", "ElectraForMaskedLM", {**SMALL, "embedding_size": 16}, _PADDED),
+    "xlm_roberta": Architecture("XLMRobertaConfig", "XLMRobertaForMaskedLM", {
+        **SMALL, "max_position_embeddings": 40,
+    }, _PADDED),
+    "gemma2": Architecture("Gemma2Config", "Gemma2ForCausalLM", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 6,
+    }, _TOKENS),
+    "qwen2_moe": Architecture("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        **_GQA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    }, _TOKENS),
+    "phi3": Architecture("Phi3Config", "Phi3ForCausalLM", {**_GQA, "pad_token_id": 0}, _TOKENS),
+    "starcoder2": Architecture("Starcoder2Config", "Starcoder2ForCausalLM", _GQA, _TOKENS),
+    "stablelm": Architecture("StableLmConfig", "StableLmForCausalLM", _GQA, _TOKENS),
+    "olmo": Architecture("OlmoConfig", "OlmoForCausalLM", _GQA, _TOKENS),
+    "cohere": Architecture("CohereConfig", "CohereForCausalLM", _GQA, _TOKENS),
+    "gpt_bigcode": Architecture("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {
+        "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32,
+    }, _TOKENS),
+    "mt5": Architecture("MT5Config", "MT5ForConditionalGeneration", {
+        "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 64,
+        "decoder_start_token_id": 0,
+    }, {"input_ids": (4, 12), "decoder_input_ids": (4, 6)}),
+    "pegasus": Architecture("PegasusConfig", "PegasusForConditionalGeneration", {
+        "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }, {"input_ids": (4, 12), "decoder_input_ids": (4, 12)}),
+    "dinov2": Architecture("Dinov2Config", "Dinov2Model", {**_VISION, "mlp_ratio": 2}, _IMAGES),
+    "deit": Architecture("DeiTConfig", "DeiTForImageClassification", {
+        **_VISION, "intermediate_size": 64,
+    }, _IMAGES),
+    "mobilevit": Architecture("MobileViTConfig", "MobileViTForImageClassification", {
+        "image_size": 64, "hidden_sizes": [16, 24, 32], "neck_hidden_sizes": [8, 8, 16, 16, 24, 24, 48],
+    }, {"pixel_values": (4, 3, 64, 64)}),
+    "regnet": Architecture("RegNetConfig", "RegNetForImageClassification", {
+        "embedding_size": 16, "hidden_sizes": [16, 32, 64, 128], "depths": [1, 1, 1, 1], "groups_width": 8,
+    }, {"pixel_values": (4, 3, 64, 64)}),
+    "mamba": Architecture("MambaConfig", "MambaForCausalLM", {
+        "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 64, "state_size": 8,
+    }, _TOKENS),
+    "wav2vec2": Architecture("Wav2Vec2Config", "Wav2Vec2ForCTC", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+        "conv_dim": (16, 16), "conv_stride": (5, 2), "conv_kernel": (10, 3), "num_conv_pos_embeddings": 16,
+        "num_conv_pos_embedding_groups": 4, "vocab_size": 32, "do_stable_layer_norm": True,
+    }, {"input_values": (4, 400)}),
+}  # fmt: skip
+
+
+def _build(arch: Architecture, device: str) -> torch.nn.Module:
+    config = getattr(transformers, arch.config)(**arch.settings)
+    for key, value in vars(config).items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: torch.nn.Module = getattr(transformers, arch.model)(config)
+    return model
+
+
+def _inputs(arch: Architecture, device: str) -> dict[str, torch.Tensor]:
+    g, out = torch.Generator().manual_seed(1), {}
+    for key, shape in arch.shapes.items():
+        if key.endswith("_ids"):
+            value = torch.randint(0, 50, shape, generator=g)
+        elif key == "attention_mask":
+            value = torch.ones(shape, dtype=torch.long)
+            value[0, -4:] = 0
+        else:
+            value = torch.randn(shape, generator=g)
+        out[key] = value.to(device)
+    return out
+
+
+def _check(arch: Architecture) -> str:
+    try:
+        model = _build(arch, "meta")
+        cluster = Cluster.from_spec("h100", 2)
+        plan = plan_model(model, _inputs(arch, "meta"), cluster, 16, optimizer="adamw", num_stages=2)
+        said = f"planned from meta ({sum(len(s.blocks) for s in plan.stages)} blocks)"
+    except Exception as error:  # a sweep reports every failure and goes on
+        said = f"NOT planned from meta: {type(error).__name__}: {str(error)[:300]}"
+    try:
+        captured = capture(_build(arch, "cpu"), _inputs(arch, "cpu"))
+        est = profile(captured, "estimate", spec="h100")
+        mea = profile(captured, "measure", device="cpu", warmup=0, repeats=1)
+        differ: dict[str, list[Any]] = {}
+        for i, (e, m) in enumerate(zip(est.blocks, mea.blocks, strict=True)):
+            ours, theirs = _fields(e, est.meta["per_block"][i]), _fields(m, mea.meta["per_block"][i])
+            for field in FIELDS:
+                if ours[field] != theirs[field]:
+                    differ.setdefault(field, []).append((e.name, ours[field], theirs[field]))
+        first = {field: rows[:2] for field, rows in differ.items()}
+        said += f"; DIFFER: {first}" if differ else "; estimate agrees with measure"
+    except Exception as error:
+        said += f"; NOT profiled on the CPU: {type(error).__name__}: {str(error)[:300]}"
+    return said
+
+
+def main(names: list[str]) -> None:
+    warnings.simplefilter("ignore")
+    for name in names or list(SWEEP):
+        print(f"{name}: {_check(SWEEP[name])}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
