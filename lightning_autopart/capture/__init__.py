@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.capture.host_random import keep_host_random
 from lightning_autopart.capture.outputs import report_dropped
 from lightning_autopart.capture.via_export import capture_export
 from lightning_autopart.capture.via_hooks import capture_modules, first_line
@@ -67,7 +68,7 @@ def capture(
         )
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
-    with _preserved(module):
+    with _preserved(module), keep_host_random():
         module.train()  # dropout probabilities as in training; modes are read when programs run
         captured = _capture(module, args, kwargs, max_blocks, method)
     report_dropped(captured.output, cls)

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.causal import fold_causal_masks
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
+from lightning_autopart.capture.host_random import watch_host_random
 from lightning_autopart.capture.outputs import flat_forward
 from lightning_autopart.capture.portable import ModeSwitch, home_device, make_portable
 from lightning_autopart.capture.tree import block_modules, param_weight
@@ -39,9 +40,9 @@ def capture_export(
 ) -> CapturedModel:
     """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs."""
     found: list[OutputSpec] = []
-    with _quiet(), flat_forward(module, found):
-        ep = torch.export.export(module, args, kwargs, strict=False)
     cls = type(module).__name__
+    with _quiet(), flat_forward(module, found), watch_host_random(cls):  # see [Note: host random numbers]
+        ep = torch.export.export(module, args, kwargs, strict=False)
     attrs, canonical, user_inputs = _lifted(ep, module)
     # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).
     fold_causal_masks(ep.graph, {n: v[2] for n, v in attrs.items() if n.op == "placeholder"})

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.capture.host_random import drawn, host_random_state
 from lightning_autopart.capture.outputs import flatten_output
 from lightning_autopart.capture.tree import ancestors, block_modules, collapse, param_weight
 from lightning_autopart.errors import CaptureError
@@ -91,6 +92,7 @@ class _Tracker(TorchDispatchMode):
         self.stack: list[tuple[str, str]] = []  # (fqn, "block" | "ancestor" | "inside")
         self.calls: list[_Call] = []
         self.active: _Call | None = None
+        self.rng = host_random_state()  # the host's random streams where the last block ended
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.active is not None:
@@ -112,6 +114,17 @@ class _Tracker(TorchDispatchMode):
             return None
         raise Glue(owner, f"{what} is computed in {{owner}}.forward outside any submodule")
 
+    def check_draws(self, owner: str) -> None:
+        """Glue if ``owner``'s forward drew host random numbers since the last block ended: the path it took at
+        capture is frozen into the stages (see [Note: host random numbers])."""
+        streams = drawn(self.rng, host_random_state())
+        if streams:
+            raise Glue(
+                owner,
+                f"random numbers are drawn with {streams} in {{owner}}.forward outside any submodule",
+                "Draw them with torch (torch.rand), or inside a submodule",
+            )
+
     def produce(self, t: torch.Tensor, name: str) -> None:
         self.values[id(t)] = (name, t, t._version)
         self.examples[name] = t
@@ -121,6 +134,7 @@ class _Tracker(TorchDispatchMode):
             self.active.extra.add(fqn)
             self.stack.append((fqn, "inside"))
             return
+        self.check_draws(self.owner())
         if any(c.fqn == fqn for c in self.calls):
             raise Glue(
                 self.owner(),
@@ -153,6 +167,7 @@ class _Tracker(TorchDispatchMode):
             return
         call, k = self.calls[-1], len(self.calls) - 1
         self.active = None
+        self.rng = host_random_state()  # a block's own draws run again at every step
         for t in call.args:  # the block may have changed its inputs in place
             if self.values[id(t)][1] is t:
                 self.values[id(t)] = (*self.values[id(t)][:2], t._version)
@@ -168,6 +183,7 @@ class _Tracker(TorchDispatchMode):
             self.active.extra.add(fqn)
             self.stack.append((fqn, "inside"))
             return
+        self.check_draws(self.owner())
         for i, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(leaf, torch.Tensor):
                 self.lookup(leaf, self.owner(), f"input {i} of '{fqn}'")
@@ -176,6 +192,7 @@ class _Tracker(TorchDispatchMode):
     def post_ancestor(self, fqn: str, _: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.stack.pop()[1] != "ancestor":
             return
+        self.check_draws(fqn)
         for j, leaf in enumerate(pytree.tree_leaves(output)):
             if isinstance(leaf, torch.Tensor):
                 self.lookup(leaf, fqn, f"output {j} of '{fqn}'")
@@ -241,6 +258,7 @@ def _capture_once(
     finally:
         for handle in handles:
             handle.remove()
+    tracker.check_draws("")
     out_tensors, output_spec = flatten_output(output)
     out_names = [tracker.lookup(t, "", f"model output {j}") or "" for j, t in enumerate(out_tensors)]
     if "" in out_names:
