@@ -13,11 +13,13 @@ length, ``tril`` over the last two dimensions, broadcast over the rest; boolean,
 rewrites the call to ``attn_mask=None, is_causal=True`` and drops the mask's operations nothing else reads. A
 constant mask that masks nothing (an encoder's or a vision model's mask without padding, all true: ViT, BART's
 encoder) is dropped the same way, as eager code passes no mask there and runs flash.
-A mask built from the user's ``attention_mask`` (padding) reads a user input and is left alone. A graph captured on
-the meta device (a model built with ``init_module(empty_init=True)``, or planned by estimate) computes its mask
-on meta, where values are unknown: when the mask reads nothing but the graph's own factories (aranges, ones)
-and lifted tensors with values, its operations are run again on the CPU, where they are exact; a mask that
-reads a meta buffer is left alone. Folding on meta matters twice: such a graph is the one the stages run, and
+A mask built from the user's ``attention_mask`` (padding) reads a user input and is left alone, and so is one
+computed from a parameter: a learned bias is trained, whatever its values at capture (BEiT's relative-position
+tables start at zero, which reads as a mask that masks nothing). A graph captured on the meta device (a model
+built with ``init_module(empty_init=True)``, or planned by estimate) computes its mask on meta, where values are
+unknown: when the mask reads nothing but the graph's own factories (aranges, ones) and lifted tensors with
+values, its operations are run again on the CPU, where they are exact; a mask that reads a meta buffer is left
+alone. Folding on meta matters twice: such a graph is the one the stages run, and
 estimate mode prices the kernel it finds (a masked kernel also saves the mask, converted to the query's dtype,
 for backward).
 """
@@ -30,7 +32,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["fold_causal_masks"]
@@ -79,7 +81,8 @@ def fold_causal_masks(graph: fx.Graph, values: dict[fx.Node, Any]) -> int:
 
 def _kind(mask: fx.Node, call: dict[str, Any], values: dict[fx.Node, Any]) -> str | None:
     """"causal" when ``mask`` depends on no user input and is the causal mask of this query and key length,
-    "full" when it depends on no user input and masks nothing (a bidirectional mask without padding), else None."""
+    "full" when it depends on no user input and masks nothing (a bidirectional mask without padding), else
+    None."""
     q, k = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (call["query"], call["key"]))
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return None
@@ -105,10 +108,11 @@ def _kind(mask: fx.Node, call: dict[str, Any], values: dict[fx.Node, Any]) -> st
 
 
 def _evaluate(target: fx.Node, values: dict[fx.Node, Any], device: torch.device | None = None) -> Any:
-    """The value of ``target`` computed from lifted values alone, or None when it reads anything else.
+    """The value of ``target`` computed from lifted buffers and constants alone, or None when it reads
+    anything else (a user input, a parameter).
 
-    With ``device``, operations that name the meta device run on ``device`` instead, and a lifted value on meta
-    (unknown) makes the answer None.
+    With ``device``, operations that name the meta device run on ``device`` instead, and a lifted value on
+    meta (unknown) makes the answer None.
     """
     env: dict[fx.Node, Any] = {}
     order: list[fx.Node] = []
@@ -124,8 +128,10 @@ def _evaluate(target: fx.Node, values: dict[fx.Node, Any], device: torch.device 
     with torch.no_grad():
         for node in sorted(order, key=position.__getitem__):
             if node.op == "placeholder":
-                if node not in values or (device is not None and _on_meta(values[node])):
-                    return None  # a user input (the mask is data), or a value unknown on meta
+                if node not in values or isinstance(values[node], nn.Parameter):
+                    return None  # a user input (the mask is data), or a parameter (the mask is learned)
+                if device is not None and _on_meta(values[node]):
+                    return None  # a value unknown on meta
                 env[node] = values[node]
                 continue
             fn: Any = node.target

@@ -110,9 +110,9 @@ def test_a_non_causal_or_input_dependent_mask_is_kept() -> None:
 
 @pytest.mark.parametrize("kind", ["arange", "arange_window"])
 def test_a_mask_built_on_meta_from_aranges_is_computed_on_the_cpu(kind: str) -> None:
-    """A model built on meta (``init_module(empty_init=True)``, estimate mode) computes its mask on meta, where
-    values are unknown; a mask made by the graph's own factories is computed again on the CPU and folded when
-    causal, so the stages run (and estimate mode prices) the kernel eager code runs."""
+    """A model built on meta (``init_module(empty_init=True)``, estimate mode) computes its mask on meta,
+    where values are unknown; a mask made by the graph's own factories is computed again on the CPU and folded
+    when causal, so the stages run (and estimate mode prices) the kernel eager code runs."""
     with torch.device("meta"):
         model = Attention(kind)
     calls = _attention_calls(capture(model, (torch.randn(2, 6, 8, device="meta"),)))
@@ -129,6 +129,30 @@ def test_a_mask_read_from_a_meta_buffer_is_left_alone() -> None:
         model = Attention("buffer")
     captured = capture(model, (torch.randn(2, 6, 8, device="meta"),))
     assert all(_masked(n) for n in _attention_calls(captured))
+
+
+class LearnedBias(nn.Module):
+    """Attention whose additive mask is a learned bias that starts at zero (as BEiT's relative-position tables
+    do)."""
+
+    def __init__(self, size: int = 6) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.bias = nn.Parameter(torch.zeros(2, size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (2, 12)).transpose(1, 2).chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias * 1.0)
+        return out.transpose(1, 2).flatten(-2)
+
+
+def test_a_learned_bias_is_never_folded() -> None:
+    """At capture the bias is all zeros, which reads as a mask that masks nothing; dropped, it would never
+    train."""
+    model = nn.Sequential(nn.Linear(8, 8), LearnedBias())
+    captured = capture(model, (torch.randn(2, 6, 8),))
+    calls = _attention_calls(captured)
+    assert len(calls) == 1 and _masked(calls[0])
 
 
 def test_fold_reports_its_count_and_needs_equal_lengths() -> None:
@@ -192,7 +216,8 @@ def test_hf_llama_built_on_meta_runs_causal_as_eagerly() -> None:
 
 def test_the_gpt_example_built_on_meta_runs_causal() -> None:
     """examples/gpt.py makes its mask with ``tril(ones(..., device=x.device))``: built under
-    ``init_module(empty_init=True)`` (meta), its stages must still run ``is_causal=True``, not the masked kernel."""
+    ``init_module(empty_init=True)`` (meta), its stages must still run ``is_causal=True``, not the masked
+    kernel."""
     from examples.gpt import GPT
 
     with torch.device("meta"):
