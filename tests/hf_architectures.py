@@ -1,6 +1,6 @@
 """Tiny configs of many Hugging Face architectures, each with the inputs it takes: decoders, encoders,
-encoder-decoders, convolutional and windowed vision models, speech. Shared by the estimate-mode planning checks
-(tests/unit/test_hf_architectures.py) and the check that estimate mode agrees with a measured CPU run
+encoder-decoders, convolutional and windowed vision models, speech. Shared by the estimate-mode planning
+checks (tests/unit/test_hf_architectures.py) and the check that estimate mode agrees with a measured CPU run
 (tests/unit/test_estimate_agrees.py). Importing this module imports ``transformers``: guard it with
 ``pytest.importorskip("transformers")``.
 """
@@ -88,8 +88,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         "strides": [4, 2],
     }, {"pixel_values": (4, 3, 64, 64)}),
     "beit": Architecture("BeitConfig", "BeitForImageClassification", {
-        "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 64, "use_relative_position_bias": True, "num_labels": 3,
+        "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "intermediate_size": 64, "num_labels": 3,
+        "use_relative_position_bias": True,
     }, {"pixel_values": (4, 3, 32, 32)}),
     "clip_vision": Architecture("CLIPVisionConfig", "CLIPVisionModel", {
         "image_size": 32, "patch_size": 8, "hidden_size": 32, "num_hidden_layers": 2,

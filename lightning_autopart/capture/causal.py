@@ -12,16 +12,15 @@ and lifted tensors), computes that mask once, and when it is exactly the causal 
 length, ``tril`` over the last two dimensions, broadcast over the rest; boolean, or 0 / very negative floats)
 rewrites the call to ``attn_mask=None, is_causal=True`` and drops the mask's operations nothing else reads. A
 constant mask that masks nothing (an encoder's or a vision model's mask without padding, all true: ViT, BART's
-encoder) is dropped the same way, as eager code passes no mask there and runs flash.
-A mask built from the user's ``attention_mask`` (padding) reads a user input and is left alone, and so is one
-computed from a parameter: a learned bias is trained, whatever its values at capture (BEiT's relative-position
-tables start at zero, which reads as a mask that masks nothing). A graph captured on the meta device (a model
-built with ``init_module(empty_init=True)``, or planned by estimate) computes its mask on meta, where values are
-unknown: when the mask reads nothing but the graph's own factories (aranges, ones) and lifted tensors with
-values, its operations are run again on the CPU, where they are exact; a mask that reads a meta buffer is left
-alone. Folding on meta matters twice: such a graph is the one the stages run, and
-estimate mode prices the kernel it finds (a masked kernel also saves the mask, converted to the query's dtype,
-for backward).
+encoder) is dropped the same way, as eager code passes no mask there and runs flash. A mask built from the
+user's ``attention_mask`` (padding) reads a user input and is left alone, and so is one computed from a
+parameter: a learned bias is trained, whatever its values at capture (BEiT's relative-position tables start at
+zero, which reads as a mask that masks nothing). A graph captured on the meta device (a model built with
+``init_module(empty_init=True)``, or planned by estimate) computes its mask on meta, where values are unknown:
+when the mask reads nothing but the graph's own factories (aranges, ones) and lifted tensors with values, its
+operations are run again on the CPU, where they are exact; a mask that reads a meta buffer is left alone.
+Folding on meta matters twice: such a graph is the one the stages run, and estimate mode prices the kernel it
+finds (a masked kernel also saves the mask, converted to the query's dtype, for backward).
 """
 
 from __future__ import annotations

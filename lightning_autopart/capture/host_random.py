@@ -1,14 +1,14 @@
 """Random numbers a forward draws on the host, which torch.export would freeze into the captured graph.
 
 [Note: host random numbers] torch.export runs the forward once and records tensor operations; a value the
-forward computes in Python is a constant of the graph. ``torch.rand`` is an operation and draws afresh at every
-step, but ``random.random()`` (a LayerDrop written ``if random.random() < p``) or ``numpy.random`` (a
+forward computes in Python is a constant of the graph. ``torch.rand`` is an operation and draws afresh at
+every step, but ``random.random()`` (a LayerDrop written ``if random.random() < p``) or ``numpy.random`` (a
 SpecAugment mask drawn with numpy) would be drawn once, at capture, and every training step would replay that
-draw: the same layers skipped, the same positions masked, silently. So the export is watched: when the
-forward advanced Python's or NumPy's global random state, the export is refused, and :func:`capture` falls back
-to module hooks, whose blocks run the forward's Python at every step. Module hooks freeze the Python between
-blocks in turn (the path a parent's forward took at capture is the path the stages take), so a draw there makes
-that parent one block, or refuses the root. Either way :func:`capture` restores the states
+draw: the same layers skipped, the same positions masked, silently. So the export is watched: when the forward
+advanced Python's or NumPy's global random state, the export is refused, and :func:`capture` falls back to
+module hooks, whose blocks run the forward's Python at every step. Module hooks freeze the Python between
+blocks in turn (the path a parent's forward took at capture is the path the stages take), so a draw there
+makes that parent one block, or refuses the root. Either way :func:`capture` restores the states
 (:func:`keep_host_random`), so capturing leaves the user's random streams as it found them.
 """
 
@@ -59,7 +59,8 @@ def host_random_state() -> tuple[Any, Any]:
 
 def drawn(before: tuple[Any, Any], after: tuple[Any, Any]) -> str:
     """Which of the host's random streams advanced between two :func:`host_random_state` ("" for none)."""
-    names = [name for name, a, b in zip(("Python's random", "numpy.random"), before, after, strict=True) if a != b]
+    streams = zip(("Python's random", "numpy.random"), before, after, strict=True)
+    names = [name for name, a, b in streams if a != b]
     return " and ".join(names)
 
 
@@ -72,7 +73,7 @@ def watch_host_random(cls: str) -> Iterator[None]:
     streams = drawn(before, host_random_state())
     if streams:
         raise CaptureError(
-            f"{cls}.forward draws random numbers with {streams}, which torch.export would freeze into the graph "
-            "(every step would repeat the capture's draw); draw them with torch (torch.rand, torch.bernoulli), "
-            "which draws afresh at every step"
+            f"{cls}.forward draws random numbers with {streams}, which torch.export would freeze into the "
+            "graph (every step would repeat the capture's draw); draw them with torch (torch.rand, "
+            "torch.bernoulli), which draws afresh at every step"
         )

@@ -84,7 +84,8 @@ def _fused_sdpa(
 def _flash_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, enable_gqa: bool) -> bool:
     """Whether a GPU runs these grouped key/value heads fused: only flash attention takes them (half
     precision, no mask, head size up to 256); memory-efficient attention does not, so float32 or a mask means
-    the math path. The CPU flash op estimate mode calls takes grouped heads as they are: nothing is repeated."""
+    the math path. The CPU flash op estimate mode calls takes grouped heads as they are: nothing is
+    repeated."""
     heads, kv_heads = q.shape[1], k.shape[1]
     grouped = enable_gqa and kv_heads == v.shape[1] and heads % kv_heads == 0
     flash = mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= _FLASH_HEAD_SIZE

@@ -1,9 +1,9 @@
 """Estimate mode against a measured run, op for op, on model code nobody here wrote: the CPU proxy of estimate
-mode's memory on a GPU. For one capture, estimate mode (meta tensors, attention as one fused kernel) and measure
-mode on this CPU must count the same FLOPs and save the same bytes, block by block. With every dropout off, the
-CPU runs the kernels a GPU runs: a fused attention that saves no scores (its fused kernel takes no dropout, so
-with dropout it falls back to the math path, and a GPU would not). A difference is then a cost estimate mode
-misses or invents on any device.
+mode's memory on a GPU. For one capture, estimate mode (meta tensors, attention as one fused kernel) and
+measure mode on this CPU must count the same FLOPs and save the same bytes, block by block. With every dropout
+off, the CPU runs the kernels a GPU runs: a fused attention that saves no scores (its fused kernel takes no
+dropout, so with dropout it falls back to the math path, and a GPU would not). A difference is then a cost
+estimate mode misses or invents on any device.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def test_estimate_counts_what_a_measured_run_counts(name: str) -> None:
                 differ.setdefault(field, []).append((e.name, ours[field], theirs[field]))
     assert sum(b.fwd_flops for b in estimated.blocks) > 0
     unexpected = {field: rows for field, rows in differ.items() if (name, field) not in KNOWN}
-    assert not unexpected, f"{name}: estimate (meta) against measure (CPU), (block, estimate, measure): {unexpected}"
+    where = f"{name}, estimate (meta) against measure (CPU), (block, estimate, measure)"
+    assert not unexpected, f"{where}: {unexpected}"
     for key in KNOWN:
         if key[0] == name:
             assert key[1] in differ, f"{key} is listed as known but agrees now: drop it from KNOWN"

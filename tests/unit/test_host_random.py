@@ -1,5 +1,5 @@
-"""Random numbers a forward draws with Python's ``random`` or ``numpy.random`` are not frozen into the captured
-graph ([Note: host random numbers] in lightning_autopart/capture/host_random.py)."""
+"""Random numbers a forward draws with Python's ``random`` or ``numpy.random`` are not frozen into the
+captured graph ([Note: host random numbers] in lightning_autopart/capture/host_random.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_a_forward_drawing_host_random_numbers_is_not_exported(drawn: type[nn.Mo
 
 
 def test_a_model_without_host_random_numbers_is_exported() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))  # torch's own draws: an operation
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))  # torch draws: an operation
     assert capture(model, torch.randn(3, 4)).method == "export"
 
 
@@ -83,8 +83,8 @@ class SkipsAtRandom(nn.Module):
 
 
 def test_a_parent_drawing_between_its_blocks_becomes_one_block() -> None:
-    """Module hooks freeze the path a parent's forward took at capture: a draw there makes the parent one block,
-    whose forward (and its draw) runs at every step."""
+    """Module hooks freeze the path a parent's forward took at capture: a draw there makes the parent one
+    block, whose forward (and its draw) runs at every step."""
     model = nn.Sequential(nn.Linear(4, 4), SkipsAtRandom(), nn.Linear(4, 2))
     captured = capture(model, torch.randn(3, 4), method="modules")
     assert [b.modules for b in captured.blocks] == [("0",), ("1",), ("2",)]
