@@ -14,18 +14,12 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_autopart import Cluster, plan_model
 from lightning_autopart.capture import capture
-from lightning_autopart.profile import profile
-from tests.hf_architectures import SMALL, Architecture
-from tests.unit.test_estimate_agrees import FIELDS, _fields
+from tests.hf_architectures import SMALL, Architecture, build, differences, inputs
 
 __all__: list[str] = []
 
@@ -89,49 +83,17 @@ SWEEP: dict[str, Architecture] = {
 }  # fmt: skip
 
 
-def _build(arch: Architecture, device: str) -> torch.nn.Module:
-    config = getattr(transformers, arch.config)(**arch.settings)
-    for key, value in vars(config).items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model: torch.nn.Module = getattr(transformers, arch.model)(config)
-    return model
-
-
-def _inputs(arch: Architecture, device: str) -> dict[str, torch.Tensor]:
-    g, out = torch.Generator().manual_seed(1), {}
-    for key, shape in arch.shapes.items():
-        if key.endswith("_ids"):
-            value = torch.randint(0, 50, shape, generator=g)
-        elif key == "attention_mask":
-            value = torch.ones(shape, dtype=torch.long)
-            value[0, -4:] = 0
-        else:
-            value = torch.randn(shape, generator=g)
-        out[key] = value.to(device)
-    return out
-
-
 def _check(arch: Architecture) -> str:
     try:
-        model = _build(arch, "meta")
+        model = build(arch, "meta", dropout=False)
         cluster = Cluster.from_spec("h100", 2)
-        plan = plan_model(model, _inputs(arch, "meta"), cluster, 16, optimizer="adamw", num_stages=2)
+        plan = plan_model(model, inputs(arch, "meta"), cluster, 16, optimizer="adamw", num_stages=2)
         said = f"planned from meta ({sum(len(s.blocks) for s in plan.stages)} blocks)"
     except Exception as error:  # a sweep reports every failure and goes on
         said = f"NOT planned from meta: {type(error).__name__}: {str(error)[:300]}"
     try:
-        captured = capture(_build(arch, "cpu"), _inputs(arch, "cpu"))
-        est = profile(captured, "estimate", spec="h100")
-        mea = profile(captured, "measure", device="cpu", warmup=0, repeats=1)
-        differ: dict[str, list[Any]] = {}
-        for i, (e, m) in enumerate(zip(est.blocks, mea.blocks, strict=True)):
-            ours, theirs = _fields(e, est.meta["per_block"][i]), _fields(m, mea.meta["per_block"][i])
-            for field in FIELDS:
-                if ours[field] != theirs[field]:
-                    differ.setdefault(field, []).append((e.name, ours[field], theirs[field]))
+        captured = capture(build(arch, "cpu", dropout=False), inputs(arch, "cpu"))
+        differ, _ = differences(captured)
         first = {field: rows[:2] for field, rows in differ.items()}
         said += f"; DIFFER: {first}" if differ else "; estimate agrees with measure"
     except Exception as error:

@@ -13,7 +13,11 @@ import torch
 import transformers
 from torch import nn
 
-__all__ = ["ARCHITECTURES", "SMALL", "Architecture", "build", "inputs"]
+from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.profile import profile
+from lightning_autopart.profile.records import BlockProfile, ModelProfile
+
+__all__ = ["ARCHITECTURES", "FIELDS", "SMALL", "Architecture", "build", "differences", "inputs"]
 
 
 class Architecture(NamedTuple):
@@ -108,29 +112,29 @@ ARCHITECTURES: dict[str, Architecture] = {
 }  # fmt: skip
 
 
-def build(name: str, device: str = "meta", *, dropout: bool = True) -> nn.Module:
-    """Architecture ``name`` from its tiny config, built on ``device`` (random weights, seed 0 off meta).
-
-    ``dropout=False`` sets every dropout probability of the config to 0.0.
-    """
-    arch = ARCHITECTURES[name]
-    config = getattr(transformers, arch.config)(**arch.settings)
+def build(arch: str | Architecture, device: str = "meta", *, dropout: bool = True) -> nn.Module:
+    """Architecture ``arch`` (a name of :data:`ARCHITECTURES`, or a row) from its tiny config, built on
+    ``device`` (random weights, seed 0 off meta). ``dropout=False`` sets every dropout probability to 0.0."""
+    row = ARCHITECTURES[arch] if isinstance(arch, str) else arch
+    config = getattr(transformers, row.config)(**row.settings)
     if not dropout:
         for key, value in vars(config).items():
             if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
                 setattr(config, key, 0.0)
     torch.manual_seed(0)
     with torch.device(device):
-        model: nn.Module = getattr(transformers, arch.model)(config)
+        model: nn.Module = getattr(transformers, row.model)(config)
     return model
 
 
-def inputs(name: str, device: str = "meta") -> dict[str, torch.Tensor]:
-    """The inputs of architecture ``name`` on ``device``: token ids (below 50), float features, and attention
-    masks that pad the last 4 positions of the first sample (on meta: shapes and dtypes only)."""
+def inputs(arch: str | Architecture, device: str = "meta") -> dict[str, torch.Tensor]:
+    """The inputs of architecture ``arch`` (a name or a row) on ``device``: token ids (below 50), float
+    features, and attention masks that pad the last 4 positions of the first sample (on meta: shapes and
+    dtypes only)."""
+    row = ARCHITECTURES[arch] if isinstance(arch, str) else arch
     g = torch.Generator().manual_seed(1)
     out: dict[str, torch.Tensor] = {}
-    for key, shape in ARCHITECTURES[name].shapes.items():
+    for key, shape in row.shapes.items():
         if key.endswith("_ids"):
             value = torch.randint(0, 50, shape, generator=g)
         elif key == "attention_mask":
@@ -140,3 +144,26 @@ def inputs(name: str, device: str = "meta") -> dict[str, torch.Tensor]:
             value = torch.randn(shape, generator=g)
         out[key] = value.to(device)
     return out
+
+
+#: What :func:`differences` compares, block by block.
+FIELDS = ("fwd_flops", "bwd_flops", "activation_bytes", "transient_bytes")
+
+
+def differences(captured: CapturedModel) -> tuple[dict[str, list[tuple[str, float, float]]], ModelProfile]:
+    """Estimate mode (H100 spec) against measure mode on the CPU for one capture: per field of :data:`FIELDS`,
+    the blocks that differ as (block, estimate, measure); and the estimate."""
+    estimated = profile(captured, "estimate", spec="h100")
+    measured = profile(captured, "measure", device="cpu", warmup=0, repeats=1)
+    differ: dict[str, list[tuple[str, float, float]]] = {}
+    for i, (e, m) in enumerate(zip(estimated.blocks, measured.blocks, strict=True)):
+        ours = _fields(e, estimated.meta["per_block"][i])
+        theirs = _fields(m, measured.meta["per_block"][i])
+        for field in FIELDS:
+            if ours[field] != theirs[field]:
+                differ.setdefault(field, []).append((e.name, ours[field], theirs[field]))
+    return differ, estimated
+
+
+def _fields(block: BlockProfile, per_block: dict[str, float]) -> dict[str, float]:
+    return {f: per_block[f] if f == "bwd_flops" else getattr(block, f) for f in FIELDS}

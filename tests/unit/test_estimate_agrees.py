@@ -17,11 +17,7 @@ pytest.importorskip("transformers")
 
 from lightning_autopart.capture import capture
 from lightning_autopart.capture.graph import CapturedModel
-from lightning_autopart.profile import profile
 from tests import hf_architectures, hf_cases
-
-#: Fields compared block by block, and where they live.
-FIELDS = ("fwd_flops", "bwd_flops", "activation_bytes", "transient_bytes")
 
 #: Known differences, each with its reason.
 KNOWN: dict[tuple[str, str], str] = {
@@ -42,23 +38,10 @@ def _captured(name: str) -> CapturedModel:
         return capture(model, hf_architectures.inputs(name, "cpu"))
 
 
-def _fields(block: object, per_block: dict[str, float]) -> dict[str, float]:
-    return {f: per_block[f] if f == "bwd_flops" else getattr(block, f) for f in FIELDS}
-
-
 @pytest.mark.parametrize("name", [*hf_cases.MODELS, *hf_architectures.ARCHITECTURES])
 def test_estimate_counts_what_a_measured_run_counts(name: str) -> None:
     torch.manual_seed(0)
-    captured = _captured(name)
-    estimated = profile(captured, "estimate", spec="h100")
-    measured = profile(captured, "measure", device="cpu", warmup=0, repeats=1)
-    differ: dict[str, list[tuple[str, float, float]]] = {}
-    for i, (e, m) in enumerate(zip(estimated.blocks, measured.blocks, strict=True)):
-        ours = _fields(e, estimated.meta["per_block"][i])
-        theirs = _fields(m, measured.meta["per_block"][i])
-        for field in FIELDS:
-            if ours[field] != theirs[field]:
-                differ.setdefault(field, []).append((e.name, ours[field], theirs[field]))
+    differ, estimated = hf_architectures.differences(_captured(name))
     assert sum(b.fwd_flops for b in estimated.blocks) > 0
     unexpected = {field: rows for field, rows in differ.items() if (name, field) not in KNOWN}
     where = f"{name}, estimate (meta) against measure (CPU), (block, estimate, measure)"
