@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_autopart.capture.attributes import keep_attributes
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import keep_host_random
 from lightning_autopart.capture.outputs import report_dropped
@@ -68,7 +69,7 @@ def capture(
         )
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
-    with _preserved(module), keep_host_random():
+    with _preserved(module), keep_host_random(), keep_attributes(module):
         module.train()  # dropout probabilities as in training; modes are read when programs run
         captured = _capture(module, args, kwargs, max_blocks, method)
     report_dropped(captured.output, cls)

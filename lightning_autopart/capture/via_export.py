@@ -22,6 +22,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.attributes import watch_attributes
 from lightning_autopart.capture.causal import fold_causal_masks
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.host_random import watch_host_random
@@ -41,7 +42,8 @@ def capture_export(
     """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs."""
     found: list[OutputSpec] = []
     cls = type(module).__name__
-    with _quiet(), flat_forward(module, found), watch_host_random(cls):  # see [Note: host random numbers]
+    # See [Note: host random numbers] and [Note: Python state in the forward].
+    with _quiet(), flat_forward(module, found), watch_host_random(cls), watch_attributes(module, cls):
         ep = torch.export.export(module, args, kwargs, strict=False)
     attrs, canonical, user_inputs = _lifted(ep, module)
     # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).

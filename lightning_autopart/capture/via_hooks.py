@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
+from lightning_autopart.capture.attributes import attribute_state, changed_attributes
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import drawn, host_random_state
 from lightning_autopart.capture.outputs import flatten_output
@@ -92,7 +93,9 @@ class _Tracker(TorchDispatchMode):
         self.stack: list[tuple[str, str]] = []  # (fqn, "block" | "ancestor" | "inside")
         self.calls: list[_Call] = []
         self.active: _Call | None = None
+        self.module = module
         self.rng = host_random_state()  # the host's random streams where the last block ended
+        self.python = attribute_state(module)  # the modules' Python attributes where the last block ended
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.active is not None:
@@ -114,9 +117,10 @@ class _Tracker(TorchDispatchMode):
             return None
         raise Glue(owner, f"{what} is computed in {{owner}}.forward outside any submodule")
 
-    def check_draws(self, owner: str) -> None:
-        """Glue if ``owner``'s forward drew host random numbers since the last block ended: the path it took at
-        capture is frozen into the stages (see [Note: host random numbers])."""
+    def check_host(self, owner: str) -> None:
+        """Glue if ``owner``'s forward drew host random numbers or changed a module's Python attribute since
+        the last block ended: the path it took at capture is frozen into the stages (see [Note: host random
+        numbers] and [Note: Python state in the forward])."""
         streams = drawn(self.rng, host_random_state())
         if streams:
             raise Glue(
@@ -124,6 +128,19 @@ class _Tracker(TorchDispatchMode):
                 f"random numbers are drawn with {streams} in {{owner}}.forward outside any submodule",
                 "Draw them with torch (torch.rand), or inside a submodule",
             )
+        changes = changed_attributes(self.python, attribute_state(self.module))
+        if changes:
+            raise Glue(
+                owner,
+                f"{{owner}}.forward changes the Python attribute{'s' if len(changes) > 1 else ''} "
+                f"{', '.join(changes[:3])} outside any submodule",
+                "Keep that state in a submodule's forward or in a buffer",
+            )
+
+    def mark_host(self) -> None:
+        """The host state a block leaves: its own draws and assignments run again at every call."""
+        self.rng = host_random_state()
+        self.python = attribute_state(self.module)
 
     def produce(self, t: torch.Tensor, name: str) -> None:
         self.values[id(t)] = (name, t, t._version)
@@ -134,7 +151,7 @@ class _Tracker(TorchDispatchMode):
             self.active.extra.add(fqn)
             self.stack.append((fqn, "inside"))
             return
-        self.check_draws(self.owner())
+        self.check_host(self.owner())
         if any(c.fqn == fqn for c in self.calls):
             raise Glue(
                 self.owner(),
@@ -167,7 +184,7 @@ class _Tracker(TorchDispatchMode):
             return
         call, k = self.calls[-1], len(self.calls) - 1
         self.active = None
-        self.rng = host_random_state()  # a block's own draws run again at every step
+        self.mark_host()
         for t in call.args:  # the block may have changed its inputs in place
             if self.values[id(t)][1] is t:
                 self.values[id(t)] = (*self.values[id(t)][:2], t._version)
@@ -183,7 +200,7 @@ class _Tracker(TorchDispatchMode):
             self.active.extra.add(fqn)
             self.stack.append((fqn, "inside"))
             return
-        self.check_draws(self.owner())
+        self.check_host(self.owner())
         for i, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(leaf, torch.Tensor):
                 self.lookup(leaf, self.owner(), f"input {i} of '{fqn}'")
@@ -192,7 +209,7 @@ class _Tracker(TorchDispatchMode):
     def post_ancestor(self, fqn: str, _: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.stack.pop()[1] != "ancestor":
             return
-        self.check_draws(fqn)
+        self.check_host(fqn)
         for j, leaf in enumerate(pytree.tree_leaves(output)):
             if isinstance(leaf, torch.Tensor):
                 self.lookup(leaf, fqn, f"output {j} of '{fqn}'")
@@ -258,7 +275,7 @@ def _capture_once(
     finally:
         for handle in handles:
             handle.remove()
-    tracker.check_draws("")
+    tracker.check_host("")
     out_tensors, output_spec = flatten_output(output)
     out_names = [tracker.lookup(t, "", f"model output {j}") or "" for j, t in enumerate(out_tensors)]
     if "" in out_names:

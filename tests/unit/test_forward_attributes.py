@@ -1,0 +1,127 @@
+"""Python attributes a forward changes are not frozen into the captured graph ([Note: Python state in the
+forward] in lightning_autopart/capture/attributes.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopart.capture import capture
+from lightning_autopart.capture.attributes import attribute_state, changed_attributes
+from lightning_autopart.errors import CaptureError
+
+
+class WarmUp(nn.Module):
+    """Doubles its output once it has been called twice: a warm-up switched by a Python call counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.layer(x)
+        return y * 2 if self.calls > 2 else y
+
+
+class History(nn.Module):
+    """Appends each batch size to a list it keeps (a container changed in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        return self.layer(x)
+
+
+def test_a_counter_in_a_forward_is_not_exported_and_its_module_runs_it_at_every_call() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), WarmUp(), nn.Linear(4, 2))
+    captured = capture(model, torch.randn(3, 4))
+    assert captured.method == "modules"  # torch.export would have frozen the branch taken at capture
+    assert any("1.calls (0 -> 1)" in note and "freeze" in note for note in captured.notes), captured.notes
+    assert model[1].calls == 0  # capture leaves the Python state as it found it
+    block = next(b for b in captured.blocks if b.modules == ("1",))  # the module is a block: eager every call
+    x = torch.randn(2, 4)
+    first, second, third = (block.program(x)[0] for _ in range(3))
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(third, 2 * first)  # the warm-up ends as it does eagerly
+
+
+def test_a_container_changed_in_place_is_seen() -> None:
+    captured = capture(nn.Sequential(History(), nn.Linear(4, 2)), torch.randn(3, 4))
+    assert captured.method == "modules"
+    assert any("0.sizes ([] -> [3])" in note for note in captured.notes), captured.notes
+
+
+def test_a_state_change_between_submodules_makes_the_parent_one_block() -> None:
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.steps = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            self.steps += 1
+            return self.b(x) if self.steps % 2 else x
+
+    model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Linear(4, 2))
+    captured = capture(model, torch.randn(3, 4))
+    assert ("1",) in [b.modules for b in captured.blocks]
+    note = next(n for n in captured.notes if n.startswith("'1' is one block"))
+    assert "Gate.forward changes the Python attribute 1.steps (0 -> 1) outside any submodule" in note
+    assert model[1].steps == 0
+
+
+def test_a_state_change_in_the_root_is_refused_with_the_fix() -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.warm = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            if self.warm:
+                self.warm = False
+                x = x * 0.5
+            return self.b(x)
+
+    model = Root()
+    with pytest.raises(CaptureError, match=r"changes the Python attribute warm \(True -> False\).*buffer"):
+        capture(model, torch.randn(3, 4))
+    assert model.warm is True
+
+
+def test_set_up_done_once_and_unchanged_state_are_exported() -> None:
+    class InstallsOnce(nn.Module):
+        """Marks a one-time set-up with a new attribute, as transformers marks the hooks it installs."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+            self.scale = 0.5  # read, never written
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not getattr(self, "_installed", False):
+                self._installed = True
+            return self.layer(x) * self.scale
+
+    assert capture(nn.Sequential(InstallsOnce(), nn.Linear(4, 2)), torch.randn(3, 4)).method == "export"
+
+
+def test_attribute_state_compares_plain_values_only() -> None:
+    module = nn.Linear(2, 2)
+    module.tag, module.shape, module.cache = "a", (1, 2), {"t": torch.ones(1)}
+    before = attribute_state(module)
+    assert ("", "tag") in before and ("", "in_features") in before
+    module.tag, module.shape, module.cache = "b", (1, 3), {"t": torch.zeros(1)}  # the cache holds a tensor
+    module.added = 1
+    changes = changed_attributes(before, attribute_state(module))
+    assert changes == ["tag ('a' -> 'b')", "shape ((1, 2) -> (1, 3))"]
