@@ -40,21 +40,27 @@ class FusedAttention(TorchFunctionMode):
     log-sum-exp, so the estimate uses the CPU flash-attention op, which has meta kernels, a derivative
     and (see ``opcount``) FLOP formulas. A boolean mask becomes an additive one first, as sdpa does. Calls a
     GPU runs on the math path pass through: grouped key/value heads in float32 or with a mask, a learned bias
-    as the mask; so do calls that are not 4-D.
+    as the mask; so do calls that are not 4-D. With ``kernels="cpu"`` the CPU's choice is followed instead:
+    flash for any heads and masks, the math path with dropout or a learned bias.
     """
+
+    def __init__(self, kernels: str = "cuda") -> None:
+        super().__init__()
+        self.kernels = kernels
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
         if func in _SDPA and len(args) >= 3:
-            fused = _fused_sdpa(*args, **kwargs)
+            fused = _fused_sdpa(self.kernels, *args, **kwargs)
             if fused is not None:
                 return fused
         return func(*args, **kwargs)
 
 
 def _fused_sdpa(
+    kernels: str,
     q: Any,
     k: Any,
     v: Any,
@@ -67,7 +73,10 @@ def _fused_sdpa(
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in tensors):
         return None
-    if not q.shape[1] == k.shape[1] == v.shape[1] and not _flash_groups(q, k, v, attn_mask, enable_gqa):
+    if kernels == "cpu" and dropout_p > 0:
+        return None  # the CPU's flash kernel takes no dropout
+    grouped = not q.shape[1] == k.shape[1] == v.shape[1]
+    if grouped and kernels != "cpu" and not _flash_groups(q, k, v, attn_mask, enable_gqa):
         return None  # grouped heads a GPU runs on the math path
     if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
         return (
@@ -123,10 +132,10 @@ def _counted(
     returns them, and its (transient, cast) bytes (see estimate_block)."""
     if precision.mixed and precision.compute is not None:
         runner = Runner(block, _META, precision)  # float32 weights, autocast's casts (see MetaAutocast)
-        runner.context = partial(_mixed, precision.compute)
+        runner.context = partial(_mixed, precision.compute, roofline.attention)
     else:
         runner = Runner(block, _META, Precision(precision.name, precision.compute, precision.compute))
-        runner.context = FusedAttention
+        runner.context = partial(FusedAttention, roofline.attention)
     counter = OpCounter(roofline, keep_ops=keep_ops)
     try:
         saved = runner.counted_run(counter)
@@ -136,9 +145,9 @@ def _counted(
 
 
 @contextlib.contextmanager
-def _mixed(dtype: torch.dtype) -> Iterator[None]:
+def _mixed(dtype: torch.dtype, kernels: str) -> Iterator[None]:
     """Autocast to ``dtype`` on meta tensors, attention as one fused kernel (casts first, then the kernel)."""
-    with FusedAttention(), MetaAutocast(dtype):
+    with FusedAttention(kernels), MetaAutocast(dtype):
         yield
 
 

@@ -183,3 +183,27 @@ def test_estimate_runs_grouped_heads_as_a_gpu_does() -> None:
     scores = batch * heads * seq * seq * F32
     assert bf16.blocks[1].activation_bytes < scores / 4
     assert profile_cpu(cap, "estimate", spec="h100").blocks[1].activation_bytes > scores
+
+
+class DropoutAttention(SelfAttention):
+    """Causal attention with dropout inside the kernel, as Hugging Face models pass it while training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return out.transpose(1, 2).reshape(b, t, d)
+
+
+def test_estimate_on_the_cpu_spec_runs_attention_as_the_cpu_does() -> None:
+    """The CPU's flash kernel takes grouped heads in float32 but no dropout (the math path then saves the
+    scores); a GPU's kernels take dropout. Each spec prices its own device's choice."""
+    batch, seq = 2, 64
+    scores = batch * 4 * seq * seq * F32
+    dropout = chain(nn.Sequential(nn.Linear(32, 32), DropoutAttention(32, 4)), torch.randn(batch, seq, 32))
+    grouped = chain(nn.Sequential(nn.Linear(64, 64), GroupedAttention(64, 8)), torch.randn(batch, seq, 64))
+    for cap, on_cpu in ((dropout, "math"), (grouped, "flash")):
+        cpu = profile_cpu(cap, "estimate", spec="cpu").blocks[1].activation_bytes
+        assert cpu == profile_cpu(cap, warmup=0, repeats=1).blocks[1].activation_bytes
+        gpu = profile_cpu(cap, "estimate", spec="h100").blocks[1].activation_bytes
+        assert (cpu > scores) == (on_cpu == "math") and (gpu > scores) == (on_cpu == "flash")
