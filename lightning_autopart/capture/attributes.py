@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_autopart.errors import CaptureError
 
-__all__ = ["attribute_state", "changed_attributes", "keep_attributes", "watch_attributes"]
+__all__ = ["AttributeWatch", "keep_attributes", "watch_attributes"]
 
 _ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
 # nn.Module's own attributes, and "forward", which flat_forward shadows during export.
@@ -49,28 +49,71 @@ def _plain(value: Any, depth: int = 0) -> Any:
     return type(value)(copied) if not isinstance(value, tuple) else tuple(copied)
 
 
-def attribute_state(module: nn.Module) -> dict[tuple[str, str], Any]:
-    """Copies of the plain-valued attributes of ``module`` and its submodules, keyed by (module name,
-    attribute); compare two with :func:`changed_attributes`."""
-    state = {}
-    for fqn, sub in module.named_modules(remove_duplicate=False):
-        for name, value in vars(sub).items():
-            if name not in _MODULE_ATTRS:
-                state[fqn, name] = _plain(value)
-    return state
+class AttributeWatch:
+    """The plain-valued attributes ``module`` and its submodules hold now, to tell which a forward changes.
 
+    Copies are taken once; a check compares the live values with them in one list comparison (identity
+    first, so unchanged numbers cost almost nothing), which keeps a check per block boundary cheap on models
+    of thousands of modules.
+    """
 
-def changed_attributes(before: dict[tuple[str, str], Any], after: dict[tuple[str, str], Any]) -> list[str]:
-    """Attributes whose plain value differs between two :func:`attribute_state`, as "module.attribute (old
-    -> new)". Attributes the forward added are not compared: those are set-ups done once (transformers
-    marks hooks it installs on the first call so), and a value that was or became opaque is not compared."""
-    changes = []
-    for key, old in before.items():
-        new = after.get(key, _OPAQUE)
-        if old is not _OPAQUE and new is not _OPAQUE and old != new:
-            fqn, name = key
-            changes.append(f"{fqn + '.' if fqn else ''}{name} ({_short(old)} -> {_short(new)})")
-    return changes
+    def __init__(self, module: nn.Module) -> None:
+        self.names: list[tuple[str, str]] = []  # (module name, attribute)
+        self._dicts: list[dict[str, Any]] = []  # each module's __dict__
+        self.copies: list[Any] = []
+        for fqn, sub in module.named_modules(remove_duplicate=False):
+            for name, value in vars(sub).items():
+                copied = _plain(value) if name not in _MODULE_ATTRS else _OPAQUE
+                if copied is not _OPAQUE:
+                    self.names.append((fqn, name))
+                    self._dicts.append(vars(sub))
+                    self.copies.append(copied)
+
+    def _live(self, i: int) -> Any:
+        return self._dicts[i].get(self.names[i][1], _OPAQUE)
+
+    def changed(self) -> list[int]:
+        """Positions whose live value differs from the copy (one that is no longer plain, such as a tensor,
+        is not compared: torch.export refuses tensor attributes itself)."""
+        live = [d.get(name, _OPAQUE) for d, (_, name) in zip(self._dicts, self.names, strict=True)]
+        try:  # the common case, nothing changed, in one comparison
+            if live == self.copies:
+                return []
+        except Exception:  # a value now a tensor cannot say whether it is equal: look closer
+            pass
+        found = []
+        for i, (old, new) in enumerate(zip(self.copies, live, strict=True)):
+            if new is old or new is _OPAQUE:
+                continue
+            if type(new) is not type(old) or not isinstance(new, _ATOMS):
+                new = _plain(new)
+                if new is _OPAQUE:
+                    continue
+            if new != old:
+                found.append(i)
+        return found
+
+    def changes(self) -> list[str]:
+        """The changed attributes as "module.attribute (old -> new)". Attributes the forward added are not
+        compared: those are set-ups done once (transformers marks so the hooks its first call installs)."""
+        shown = []
+        for i in self.changed():
+            fqn, name = self.names[i]
+            old, new = _short(self.copies[i]), _short(self._live(i))
+            shown.append(f"{fqn + '.' if fqn else ''}{name} ({old} -> {new})")
+        return shown
+
+    def rebase(self) -> None:
+        """Take the live values as the copies to compare with from now on."""
+        for i in self.changed():
+            self.copies[i] = _plain(self._live(i))
+
+    def restore(self) -> None:
+        """Put the copies back where the live values differ, were deleted or are no longer plain."""
+        for i, old in enumerate(self.copies):
+            new = _plain(self._live(i))
+            if new is _OPAQUE or new != old:
+                self._dicts[i][self.names[i][1]] = _plain(old)
 
 
 def _short(value: Any) -> str:
@@ -83,15 +126,11 @@ def keep_attributes(module: nn.Module) -> Iterator[None]:
     """Put the plain-valued attributes of ``module``'s submodules back on exit, as torch.export does
     (attributes the forward added stay): capturing runs the forward, and must leave the model's Python state
     as it found it."""
-    modules = dict(module.named_modules(remove_duplicate=False))
-    before = attribute_state(module)
+    watch = AttributeWatch(module)
     try:
         yield
     finally:
-        after = attribute_state(module)
-        for key, value in before.items():
-            if value is not _OPAQUE and after.get(key, _OPAQUE) != value and key[0] in modules:
-                setattr(modules[key[0]], key[1], value)
+        watch.restore()
 
 
 @contextmanager
@@ -99,11 +138,9 @@ def watch_attributes(module: nn.Module, cls: str) -> Iterator[None]:
     """Raise :class:`CaptureError` after the body if a forward of ``module`` changed a plain-valued attribute
     (see [Note: Python state in the forward]). The state is read by a forward hook, before torch.export puts
     the attributes back."""
-    before = attribute_state(module)
+    watch = AttributeWatch(module)
     seen: list[list[str]] = []
-    handle = module.register_forward_hook(
-        lambda *_: seen.append(changed_attributes(before, attribute_state(module)))
-    )
+    handle = module.register_forward_hook(lambda *_: seen.append(watch.changes()))
     try:
         yield
     finally:

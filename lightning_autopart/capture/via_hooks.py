@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
-from lightning_autopart.capture.attributes import attribute_state, changed_attributes
+from lightning_autopart.capture.attributes import AttributeWatch
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import drawn, host_random_state
 from lightning_autopart.capture.outputs import flatten_output
@@ -93,9 +93,8 @@ class _Tracker(TorchDispatchMode):
         self.stack: list[tuple[str, str]] = []  # (fqn, "block" | "ancestor" | "inside")
         self.calls: list[_Call] = []
         self.active: _Call | None = None
-        self.module = module
         self.rng = host_random_state()  # the host's random streams where the last block ended
-        self.python = attribute_state(module)  # the modules' Python attributes where the last block ended
+        self.python = AttributeWatch(module)  # the modules' Python attributes where the last block ended
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.active is not None:
@@ -128,7 +127,7 @@ class _Tracker(TorchDispatchMode):
                 f"random numbers are drawn with {streams} in {{owner}}.forward outside any submodule",
                 "Draw them with torch (torch.rand), or inside a submodule",
             )
-        changes = changed_attributes(self.python, attribute_state(self.module))
+        changes = self.python.changes()
         if changes:
             raise Glue(
                 owner,
@@ -140,7 +139,7 @@ class _Tracker(TorchDispatchMode):
     def mark_host(self) -> None:
         """The host state a block leaves: its own draws and assignments run again at every call."""
         self.rng = host_random_state()
-        self.python = attribute_state(self.module)
+        self.python.rebase()
 
     def produce(self, t: torch.Tensor, name: str) -> None:
         self.values[id(t)] = (name, t, t._version)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_autopart.capture import capture
-from lightning_autopart.capture.attributes import attribute_state, changed_attributes
+from lightning_autopart.capture.attributes import AttributeWatch
 from lightning_autopart.errors import CaptureError
 
 
@@ -116,12 +116,16 @@ def test_set_up_done_once_and_unchanged_state_are_exported() -> None:
     assert capture(nn.Sequential(InstallsOnce(), nn.Linear(4, 2)), torch.randn(3, 4)).method == "export"
 
 
-def test_attribute_state_compares_plain_values_only() -> None:
+def test_a_watch_compares_plain_values_only() -> None:
     module = nn.Linear(2, 2)
     module.tag, module.shape, module.cache = "a", (1, 2), {"t": torch.ones(1)}
-    before = attribute_state(module)
-    assert ("", "tag") in before and ("", "in_features") in before
+    watch = AttributeWatch(module)
+    assert {name for _, name in watch.names} == {"in_features", "out_features", "tag", "shape"}
     module.tag, module.shape, module.cache = "b", (1, 3), {"t": torch.zeros(1)}  # the cache holds a tensor
+    module.in_features = torch.tensor(2)  # no longer plain: torch.export refuses tensor attributes itself
     module.added = 1
-    changes = changed_attributes(before, attribute_state(module))
-    assert changes == ["tag ('a' -> 'b')", "shape ((1, 2) -> (1, 3))"]
+    assert watch.changes() == ["tag ('a' -> 'b')", "shape ((1, 2) -> (1, 3))"]
+    watch.rebase()
+    assert watch.changes() == []
+    module.shape = (1, 2)
+    assert watch.changes() == ["shape ((1, 3) -> (1, 2))"]
