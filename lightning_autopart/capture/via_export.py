@@ -9,6 +9,7 @@ over the stages holding a copy), so a shared module never fuses everything betwe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import operator
@@ -24,6 +25,7 @@ from torch.utils import _pytree as pytree
 from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.attributes import watch_attributes
 from lightning_autopart.capture.causal import fold_causal_masks
+from lightning_autopart.capture.functions import watch_functions
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.host_random import watch_host_random
 from lightning_autopart.capture.outputs import flat_forward
@@ -42,8 +44,14 @@ def capture_export(
     """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs."""
     found: list[OutputSpec] = []
     cls = type(module).__name__
-    # See [Note: host random numbers] and [Note: Python state in the forward].
-    with _quiet(), flat_forward(module, found), watch_host_random(cls), watch_attributes(module, cls):
+    # See [Note: host random numbers], [Note: Python state in the forward], [Note: custom autograd functions].
+    with (
+        _quiet(),
+        flat_forward(module, found),
+        watch_host_random(cls),
+        watch_attributes(module, cls),
+        watch_functions(cls) as functions,
+    ):
         ep = torch.export.export(module, args, kwargs, strict=False)
     attrs, canonical, user_inputs = _lifted(ep, module)
     # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).
@@ -90,9 +98,10 @@ def capture_export(
     inputs_info = [(p.name, v) for p, v in zip(user_inputs, flat, strict=True)]
     out_names = [o.name for o in model_outputs if isinstance(o, fx.Node)]
     grads = _requiring_grad(ep.graph, attrs)
-    return assemble(
+    captured = assemble(
         module, "export", blocks, inputs_info, values, out_names, split_graph, found[-1], grads
     )
+    return dataclasses.replace(captured, notes=(*captured.notes, *functions.notes()))
 
 
 def _run_names(fqns: list[str]) -> list[str]:

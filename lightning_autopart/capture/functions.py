@@ -1,0 +1,236 @@
+"""Custom ``torch.autograd.Function``s in a forward, whose backward torch.export drops.
+
+[Note: custom autograd functions] torch.export (non-strict) records the operations a Function's forward runs
+and drops the Function itself: the captured graph's backward is autograd's derivative of those operations, not
+``Function.backward``. Where the backward is the forward's derivative written by hand (BLOOM's GeLU, which
+saves less for backward), nothing changes. A straight-through estimator, a gradient reversal layer or a
+clipped gradient would train silently wrong, and reentrant activation checkpointing, whose forward runs under
+``no_grad``, left the layers it wraps with no gradient at all. So, while the forward is exported:
+
+- ``torch.utils.checkpoint`` runs its function plainly (both forms). The stages do not recompute what the
+  user's forward checkpointed; the plan recomputes whole stages where memory needs it, and a note says so.
+- Every other Function called is checked after the export (:func:`check_function`): on random inputs of the
+  recorded shapes, its backward must equal autograd's derivative of its forward. One that differs, or that
+  cannot be checked, refuses the export, and capture falls back to module hooks, whose blocks call the
+  Function itself at every step.
+- The Functions torch generates for custom operators (``torch.library``) are not checked: such an operator
+  stays one node of the graph, with its own backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils.checkpoint as checkpointing
+from torch.autograd import Function
+from torch.utils import _pytree as pytree
+
+from lightning_autopart.errors import CaptureError
+
+__all__ = ["FunctionCalls", "check_function", "watch_functions"]
+
+#: Inputs larger than this (elements, all tensors of one call) are checked with a batch of one.
+_CHECK_ELEMENTS = 1 << 24
+_SCALARS = (bool, int, float, str, type(None))
+
+
+@dataclass
+class FunctionCalls:
+    """What an export's forward called: distinct custom Function calls, and activation checkpoints."""
+
+    #: Each distinct call: (Function class, argument leaves with tensors as ``_TensorSpec``, argument spec).
+    calls: dict[tuple[Any, ...], tuple[type[Function], list[Any], pytree.TreeSpec]] = field(
+        default_factory=dict
+    )
+    checkpoints: int = 0
+
+    def notes(self) -> list[str]:
+        """What the user should know of the capture: checkpointing not kept."""
+        if not self.checkpoints:
+            return []
+        return [
+            f"the forward's activation checkpointing (torch.utils.checkpoint, {self.checkpoints} calls) is "
+            "not kept in the captured stages; the plan recomputes whole stages where memory needs it (its "
+            "'checkpoint' column)"
+        ]
+
+
+class _PlainCheckpoint:
+    """Stands in for reentrant checkpointing's Function during export: calls the function plainly."""
+
+    def __init__(self, found: FunctionCalls) -> None:
+        self.found = found
+
+    def apply(self, function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        self.found.checkpoints += 1
+        return function(*args)
+
+
+@contextmanager
+def watch_functions(cls: str) -> Iterator[FunctionCalls]:
+    """Run the body (an export of ``cls``) with checkpointing plain and custom Function calls recorded; on a
+    normal exit, check each distinct call (see [Note: custom autograd functions])."""
+    found = FunctionCalls()
+    apply = Function.__dict__["apply"]
+
+    def recording_apply(function: type[Function], *args: Any, **kwargs: Any) -> Any:
+        if not function.__module__.startswith("torch._library"):  # custom ops keep their own backward
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            described = [_describe(leaf) for leaf in leaves]
+            values = tuple(d if isinstance(d, (_TensorSpec, *_SCALARS)) else id(d) for d in described)
+            found.calls.setdefault((function, values), (function, described, spec))
+        return apply.__func__(function, *args, **kwargs)
+
+    def plain_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+        found.checkpoints += 1  # checkpoint() runs the function itself between two next()
+        yield
+
+    # Module globals that checkpoint() reads at each call, however the model imported it.
+    stand_ins = {
+        "CheckpointFunction": _PlainCheckpoint(found),
+        "_checkpoint_without_reentrant_generator": plain_generator,
+    }
+    originals = {name: vars(checkpointing)[name] for name in stand_ins if name in vars(checkpointing)}
+    Function.apply = classmethod(recording_apply)  # type: ignore[method-assign, assignment]
+    for name in originals:
+        setattr(checkpointing, name, stand_ins[name])
+    try:
+        yield found
+    finally:
+        Function.apply = apply  # type: ignore[method-assign]
+        for name, original in originals.items():
+            setattr(checkpointing, name, original)
+    for function, described, spec in found.calls.values():
+        reason = check_function(function, described, spec)
+        if reason:
+            raise CaptureError(
+                f"{cls}.forward calls the autograd.Function {function.__qualname__}, whose backward "
+                f"torch.export would drop ({reason}); module hooks run it as written"
+            )
+
+
+def check_function(function: type[Function], described: list[Any], spec: pytree.TreeSpec) -> str:
+    """Why exporting ``function`` would change training ("" where it would not): its backward must equal
+    autograd's derivative of its forward, on random inputs shaped as ``described`` (see
+    :func:`watch_functions`), outputs that need a gradient alike."""
+    specs = [d for d in described if isinstance(d, _TensorSpec)]
+    cuda = sorted({d.device.index or 0 for d in specs if d.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=cuda):  # leaves the user's generators as they were
+            custom, custom_inputs = _run(function.apply, described, spec)
+            inlined, inlined_inputs = _run(_inline(function), described, spec)
+    except Exception as error:
+        return f"it could not be checked: {type(error).__name__}: {_first_line(error)}"
+    if [o.requires_grad for o in custom] != [o.requires_grad for o in inlined]:
+        return "its backward gives no gradient where its forward's operations would, or the reverse"
+    keep = [k for k, o in enumerate(custom) if o.requires_grad]
+    if not custom_inputs or not keep:
+        return ""
+    generator = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(custom[k].shape, generator=generator).to(custom[k]) for k in keep]
+    try:
+        want = _grads([custom[k] for k in keep], custom_inputs, cotangents)
+        got = _grads([inlined[k] for k in keep], inlined_inputs, cotangents)
+    except Exception as error:
+        return f"its backward could not be checked: {type(error).__name__}: {_first_line(error)}"
+    for w, g in zip(want, got, strict=True):
+        tolerance = 1e-2 if w.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
+        if w.shape != g.shape or not torch.allclose(w.float(), g.float(), tolerance, tolerance * scale):
+            return "its backward is not the derivative of its forward"
+    return ""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
+
+
+class _TensorSpec(NamedTuple):
+    """A tensor argument as recorded during export (the values of a traced tensor are not known)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    device: torch.device
+
+
+def _describe(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return _TensorSpec(tuple(leaf.shape), leaf.dtype, leaf.requires_grad, leaf.device)
+    return leaf
+
+
+def _run(
+    call: Any, described: list[Any], spec: pytree.TreeSpec
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``call`` on random inputs as ``described`` (the same values at every call): its floating outputs, and
+    the inputs that need a gradient. Floats are normal and others zero, with a batch of one where large."""
+    torch.manual_seed(0)  # a forward that draws (dropout) draws alike on both paths
+    tensors = [d for d in described if isinstance(d, _TensorSpec)]
+    shrink = sum(math.prod(d.shape) for d in tensors) > _CHECK_ELEMENTS
+    generator = torch.Generator().manual_seed(0)
+    leaves, inputs = [], []
+    for d in described:
+        if not isinstance(d, _TensorSpec):
+            leaves.append(d)
+            continue
+        shape = (1, *d.shape[1:]) if shrink and d.shape else d.shape
+        device = torch.device("cpu") if d.device.type == "meta" else d.device
+        if d.dtype.is_floating_point:
+            t = torch.randn(shape, generator=generator).to(device=device, dtype=d.dtype)
+            if d.requires_grad:
+                t = t.requires_grad_().clone()  # not a leaf, so a forward may write it in place
+                inputs.append(t)
+        else:
+            t = torch.zeros(shape, dtype=d.dtype, device=device)
+        leaves.append(t)
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    out = call(*args, **kwargs)
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return outputs, inputs
+
+
+def _grads(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], cotangents: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
+
+
+class _Context:
+    """A stand-in ``ctx`` for calling an old-style ``forward(ctx, ...)`` as plain code."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        self.saved_tensors: tuple[torch.Tensor, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def save_for_forward(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _inline(function: type[Function]) -> Any:
+    """``function``'s forward as plain code, as torch.export records it."""
+    if function.setup_context is not Function.setup_context:  # new style: forward(*args), no ctx
+        return function.forward
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return function.forward(_Context(args), *args, **kwargs)
+
+    return call

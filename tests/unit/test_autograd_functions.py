@@ -1,0 +1,157 @@
+"""Custom autograd Functions keep their backward, and activation checkpointing its gradients, in a capture
+([Note: custom autograd functions] in lightning_autopart/capture/functions.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpointing
+from torch import nn
+
+from lightning_autopart.capture import capture
+from lightning_autopart.capture.graph import CapturedModel
+
+
+class Reverse(torch.autograd.Function):
+    """A gradient reversal layer (domain adaptation): identity forward, negated gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounding with the gradient passed straight through (quantization-aware training); new style."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.round()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Square(torch.autograd.Function):
+    """The derivative written by hand, saving the input: exporting it changes nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class Applies(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function.apply(x)
+
+
+def _grads_equal_eager(model: nn.Module, captured: CapturedModel, x: torch.Tensor) -> None:
+    """Training the captured blocks, chained, gives the gradients eager training gives."""
+    model(x).square().sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    y = x
+    for block in captured.blocks:
+        y = block.program(y)[0]
+    y.square().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, eager[name], msg=name)
+
+
+@pytest.mark.parametrize("function", [Reverse, StraightThrough])
+def test_a_function_whose_backward_is_not_the_derivative_keeps_it(function: type) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Applies(function), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    captured = capture(model, x)
+    assert captured.method == "modules"  # torch.export would differentiate the forward's operations instead
+    assert any(function.__name__ in n and "not the derivative" in n for n in captured.notes), captured.notes
+    _grads_equal_eager(model, captured, x)
+    assert torch.autograd.Function.__dict__["apply"].__func__.__qualname__ == "Function.apply"  # put back
+
+
+def test_a_function_is_checked_on_meta_inputs_too() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Applies(Reverse), nn.Linear(4, 2))
+        x = torch.randn(3, 4)
+    assert capture(model, x).method == "modules"
+
+
+def test_a_hand_written_derivative_is_exported() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Applies(Square), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    captured = capture(model, x)
+    assert captured.method == "export" and captured.notes == ()
+    _grads_equal_eager(model, captured, x)
+
+
+class Checkpointed(nn.Module):
+    """A layer that checkpoints its activations, reentrant (torch's default) or not."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint(lambda t: self.layer(t).tanh(), x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_layers_get_their_gradients(reentrant: bool) -> None:
+    """Reentrant checkpointing runs its forward under no_grad, which torch.export recorded: the layers it
+    wrapped had no gradient at all. The capture runs checkpointed functions plainly and says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Checkpointed(reentrant), Checkpointed(reentrant), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    captured = capture(model, x)
+    assert captured.method == "export" and captured.num_blocks == 4
+    assert any("checkpointing (torch.utils.checkpoint, 2 calls)" in n for n in captured.notes), captured.notes
+    _grads_equal_eager(model, captured, x)
+    assert checkpointing.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
+
+
+def test_hugging_face_reentrant_gradient_checkpointing_trains_every_parameter() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids = torch.randint(0, 64, (2, 8))
+    captured = capture(model, {"input_ids": ids})
+    assert captured.method == "export" and captured.split_graph is not None
+    model(input_ids=ids).logits.square().mean().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    captured.split_graph(ids)[0].square().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, eager[name], msg=name)
