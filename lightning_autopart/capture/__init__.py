@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from lightning_autopart.capture.attributes import keep_attributes
+from lightning_autopart.capture.backward_hooks import TensorHooks, has_backward_hooks
+from lightning_autopart.capture.glue import first_line
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import keep_host_random
 from lightning_autopart.capture.outputs import report_dropped
 from lightning_autopart.capture.via_export import capture_export
-from lightning_autopart.capture.via_hooks import capture_modules, first_line
+from lightning_autopart.capture.via_hooks import capture_modules
 from lightning_autopart.errors import CaptureError, ConfigError
 
 __all__ = ["METHODS", "capture", "split_inputs"]
@@ -80,19 +82,26 @@ def _capture(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, method: str
 ) -> CapturedModel:
     cls = type(module).__name__
+    if has_backward_hooks(module):  # see [Note: backward hooks]
+        raise CaptureError(
+            f"cannot capture {cls}: it has backward hooks (register_full_backward_hook or a global module "
+            f"hook), which run only when {cls} itself is called, and a pipeline calls its parts; register "
+            "them on its submodules, or on its parameters (Tensor.register_hook)"
+        )
     if method == "modules":
         return capture_modules(module, args, kwargs, max_blocks, None)
     try:
         return capture_export(module, args, kwargs, max_blocks)
     except Exception as error:
         reason = first_line(error)
+        whole = error.owners if isinstance(error, TensorHooks) else []  # see [Note: backward hooks]
         if method == "export":
             raise CaptureError(
                 f"cannot capture {cls} with torch.export: {type(error).__name__}: {reason}. "
                 f"Remove data-dependent control flow from the forward, or use method='modules'"
             ) from error
     _log.warning("torch.export cannot trace %s (%s); capturing with module hooks instead", cls, reason)
-    captured = capture_modules(module, args, kwargs, max_blocks, reason)
+    captured = capture_modules(module, args, kwargs, max_blocks, reason, whole)
     _log.info("captured %s with module hooks: %d blocks", cls, captured.num_blocks)
     return captured
 

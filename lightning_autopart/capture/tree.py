@@ -8,7 +8,7 @@ cut. They are never split into their children.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -89,6 +89,14 @@ def collapse(blocks: list[str], owner: str) -> list[str]:
     at = blocks.index(inside[0])
     rest = [b for b in blocks if b not in inside]
     return [*rest[:at], owner, *rest[at:]]
+
+
+def keep_whole(blocks: list[str], modules: Sequence[str]) -> list[str]:
+    """``blocks`` with each of ``modules`` one block (:func:`collapse`), unless a block already holds it."""
+    for fqn in modules:
+        if not any(fqn == b or fqn.startswith(b + ".") for b in blocks):
+            blocks = collapse(blocks, fqn)
+    return blocks
 
 
 def ancestors(fqn: str) -> list[str]:

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.attributes import watch_attributes
+from lightning_autopart.capture.backward_hooks import TensorHooks, backward_hooked, record_tensor_hooks
 from lightning_autopart.capture.causal import fold_causal_masks
 from lightning_autopart.capture.functions import watch_functions
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
@@ -44,6 +45,12 @@ def capture_export(
     """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs."""
     found: list[OutputSpec] = []
     cls = type(module).__name__
+    hooked = backward_hooked(module)  # see [Note: backward hooks]
+    if hooked:
+        raise CaptureError(
+            f"module {hooked[0]!r} of {cls} has backward hooks, which an exported graph would leave out; "
+            "module hooks run them"
+        )
     # See [Note: host random numbers], [Note: Python state in the forward], [Note: custom autograd functions].
     with (
         _quiet(),
@@ -51,8 +58,17 @@ def capture_export(
         watch_host_random(cls),
         watch_attributes(module, cls),
         watch_functions(cls) as functions,
+        record_tensor_hooks(module) as hook_owners,
     ):
         ep = torch.export.export(module, args, kwargs, strict=False)
+    if hook_owners:
+        owners = list(dict.fromkeys(hook_owners))
+        raise TensorHooks(
+            f"{cls}.forward registers hooks on tensors (Tensor.register_hook, in the forward of "
+            f"{', '.join(repr(o) for o in owners[:3])}), which an exported graph would leave out; module "
+            "hooks run them",
+            owners,
+        )
     attrs, canonical, user_inputs = _lifted(ep, module)
     # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).
     fold_causal_masks(ep.graph, {n: v[2] for n, v in attrs.items() if n.op == "placeholder"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,26 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.attributes import AttributeWatch
+from lightning_autopart.capture.backward_hooks import has_backward_hooks, watch_tensor_hooks
+from lightning_autopart.capture.glue import Glue, forward_message, glue_message
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import drawn, host_random_state
 from lightning_autopart.capture.outputs import flatten_output
-from lightning_autopart.capture.tree import ancestors, block_modules, collapse, param_weight
+from lightning_autopart.capture.tree import ancestors, block_modules, collapse, keep_whole, param_weight
 from lightning_autopart.errors import CaptureError
 
 __all__: list[str] = []
-
-
-class Glue(Exception):
-    """A value a block (or the model output) needs is computed outside any block, in ``owner``'s forward."""
-
-    def __init__(self, owner: str, what: str, fix: str = "Move that computation into a submodule") -> None:
-        super().__init__(what)
-        #: FQN of the module whose forward computes the value ("" for the root).
-        self.owner = owner
-        #: What is computed where, with "{owner}" standing for the owner's class name.
-        self.what = what
-        #: What the user can change.
-        self.fix = fix
 
 
 class ModuleProgram(nn.Module):
@@ -126,6 +115,7 @@ class _Tracker(TorchDispatchMode):
                 owner,
                 f"random numbers are drawn with {streams} in {{owner}}.forward outside any submodule",
                 "Draw them with torch (torch.rand), or inside a submodule",
+                exportable=False,
             )
         changes = self.python.changes()
         if changes:
@@ -134,6 +124,19 @@ class _Tracker(TorchDispatchMode):
                 f"{{owner}}.forward changes the Python attribute{'s' if len(changes) > 1 else ''} "
                 f"{', '.join(changes[:3])} outside any submodule",
                 "Keep that state in a submodule's forward or in a buffer",
+                exportable=False,
+            )
+
+    def check_tensor_hook(self) -> None:
+        """Glue if a hook is registered on a tensor outside any block: the stages would not register it (see
+        [Note: backward hooks])."""
+        if self.active is None:
+            raise Glue(
+                self.owner(),
+                "a hook is registered on a tensor (Tensor.register_hook) in {owner}.forward outside any "
+                "submodule",
+                "Register it inside a submodule",
+                exportable=False,
             )
 
     def mark_host(self) -> None:
@@ -220,8 +223,10 @@ def capture_modules(
     kwargs: dict[str, Any],
     max_blocks: int,
     export_error: str | None,
+    whole: Sequence[str] = (),
 ) -> CapturedModel:
-    """Capture with hooks on the block modules; coarsen a block whose parent's forward holds glue, and retry."""
+    """Capture with hooks on the block modules; coarsen a block whose parent's forward holds glue, and retry.
+    ``whole``: modules that must stay one block each (their forwards register tensor hooks)."""
     cls = type(module).__name__
     weight = param_weight(module)
     modules = dict(module.named_modules())
@@ -234,12 +239,18 @@ def capture_modules(
             f"torch.export cannot trace {cls} ({export_error}), so it was captured with module hooks, which cut "
             "only between submodules: remove data-dependent control flow from the forward for finer blocks"
         )
+    if "" in whole:
+        raise CaptureError(
+            f"cannot capture {cls}: {cls}.forward registers hooks on tensors (Tensor.register_hook) outside "
+            "any submodule, and a pipeline runs only its submodules; register them inside a submodule"
+        )
+    fqns = keep_whole(fqns, whole)
     for _ in range(len(modules)):  # each retry turns one more module above the blocks into a block
         try:
             return dataclasses.replace(_capture_once(module, args, kwargs, fqns), notes=tuple(notes))
         except Glue as glue:
             if glue.owner == "":
-                raise CaptureError(_glue_message(module, glue, export_error)) from None
+                raise CaptureError(glue_message(module, glue, export_error)) from None
             owner = type(modules[glue.owner]).__name__
             notes.append(
                 f"'{glue.owner}' is one block: {glue.what.format(owner=owner)} ({glue.fix.lower()} to cut inside it)"
@@ -262,6 +273,14 @@ def _capture_once(
         if isinstance(leaf, torch.Tensor):
             tracker.produce(leaf, name)
     above = {a for f in fqns for a in ancestors(f)}
+    for fqn in sorted(above):  # a block module's own backward hooks run: the stages call it
+        if has_backward_hooks(modules[fqn]):
+            raise Glue(
+                fqn,
+                "{owner} has backward hooks, which run only when it is called as one module",
+                "Register them on its submodules",
+                exportable=False,
+            )
     handles = []
     for fqn, pre, post in [(f, tracker.pre_block, tracker.post_block) for f in fqns] + [
         (a, tracker.pre_ancestor, tracker.post_ancestor) for a in sorted(above)
@@ -269,7 +288,7 @@ def _capture_once(
         handles.append(modules[fqn].register_forward_pre_hook(_bind(pre, fqn), with_kwargs=True))
         handles.append(modules[fqn].register_forward_hook(_bind(post, fqn), with_kwargs=True))
     try:
-        with torch.no_grad(), tracker:
+        with torch.no_grad(), tracker, watch_tensor_hooks(tracker.check_tensor_hook, no_grad_run=True):
             output = module(*args, **kwargs)
     finally:
         for handle in handles:
@@ -317,48 +336,3 @@ def _capture_once(
 def _bind(hook: Callable[..., None], fqn: str) -> Callable[..., None]:
     """``hook`` with the module FQN as its first argument."""
     return lambda *rest: hook(fqn, *rest)
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message, at most 300 characters."""
-    text = str(error).strip().splitlines()
-    line = text[0] if text else type(error).__name__
-    return line if len(line) <= 300 else line[:297] + "..."
-
-
-def _glue_message(module: nn.Module, glue: Glue, export_error: str | None) -> str:
-    cls = type(module).__name__
-    what = glue.what.format(owner=cls)
-    if export_error is None:
-        return f"cannot capture {cls} with module hooks: {what}. {glue.fix}, or capture with method='export'"
-    return (
-        f"cannot capture {cls}: {what}, and torch.export failed with: {export_error}. {glue.fix}, "
-        f"or remove data-dependent control flow from {cls}.forward so torch.export can trace it"
-    )
-
-
-def forward_message(
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    error: BaseException,
-    export_error: str | None,
-) -> str:
-    """The message for a forward that raised on the example inputs."""
-    cls = type(module).__name__
-    text = f"cannot capture {cls}: {cls}.forward(example_inputs) raised {type(error).__name__}: {first_line(error)}"
-    tensors = [
-        t for t in (*pytree.tree_leaves((args, kwargs)), *module.parameters()) if isinstance(t, torch.Tensor)
-    ]
-    if any(t.is_meta for t in tensors):
-        text += (
-            ". On the meta device forward cannot run data-dependent code (such as `if x.sum() > 0`): capture "
-            "with real (non-meta) example inputs (`autopart plan --profile measure`; under the strategy, build the "
-            "model outside init_module(empty_init=True) and configure_model), or keep such values tensors"
-        )
-    else:
-        text += ". Check that example_inputs match what forward expects (a Tensor, a tuple of positional "
-        text += "arguments, a dict of keyword arguments, or (args, kwargs))"
-    if export_error is not None and first_line(error) not in export_error:
-        text += f" (torch.export failed with: {export_error})"
-    return text

@@ -11,7 +11,7 @@ import torch.utils.checkpoint as checkpointing
 from torch import nn
 
 from lightning_autopart.capture import capture
-from lightning_autopart.capture.graph import CapturedModel
+from tests.eager import assert_grads_equal_eager
 
 
 class Reverse(torch.autograd.Function):
@@ -65,20 +65,6 @@ class Applies(nn.Module):
         return self.function.apply(x)
 
 
-def _grads_equal_eager(model: nn.Module, captured: CapturedModel, x: torch.Tensor) -> None:
-    """Training the captured blocks, chained, gives the gradients eager training gives."""
-    model(x).square().sum().backward()
-    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    y = x
-    for block in captured.blocks:
-        y = block.program(y)[0]
-    y.square().sum().backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, eager[name], msg=name)
-
-
 @pytest.mark.parametrize("function", [Reverse, StraightThrough])
 def test_a_function_whose_backward_is_not_the_derivative_keeps_it(function: type) -> None:
     torch.manual_seed(0)
@@ -87,7 +73,7 @@ def test_a_function_whose_backward_is_not_the_derivative_keeps_it(function: type
     captured = capture(model, x)
     assert captured.method == "modules"  # torch.export would differentiate the forward's operations instead
     assert any(function.__name__ in n and "not the derivative" in n for n in captured.notes), captured.notes
-    _grads_equal_eager(model, captured, x)
+    assert_grads_equal_eager(model, captured, x)
     assert torch.autograd.Function.__dict__["apply"].__func__.__qualname__ == "Function.apply"  # put back
 
 
@@ -104,7 +90,7 @@ def test_a_hand_written_derivative_is_exported() -> None:
     x = torch.randn(3, 4)
     captured = capture(model, x)
     assert captured.method == "export" and captured.notes == ()
-    _grads_equal_eager(model, captured, x)
+    assert_grads_equal_eager(model, captured, x)
 
 
 class Checkpointed(nn.Module):
@@ -129,7 +115,7 @@ def test_checkpointed_layers_get_their_gradients(reentrant: bool) -> None:
     captured = capture(model, x)
     assert captured.method == "export" and captured.num_blocks == 4
     assert any("checkpointing (torch.utils.checkpoint, 2 calls)" in n for n in captured.notes), captured.notes
-    _grads_equal_eager(model, captured, x)
+    assert_grads_equal_eager(model, captured, x)
     assert checkpointing.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
 
 

@@ -1,0 +1,26 @@
+"""A captured model's blocks, chained and trained, against the eager model they came from."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_autopart.capture.graph import CapturedModel
+
+__all__ = ["assert_grads_equal_eager"]
+
+
+def assert_grads_equal_eager(model: nn.Module, captured: CapturedModel, x: torch.Tensor) -> None:
+    """One backward of ``sum(output ** 2)`` through the captured blocks, chained (each takes the previous
+    block's first output), gives every parameter the gradient eager training gives."""
+    model(x).square().sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    y = x
+    for block in captured.blocks:
+        y = block.program(y)[0]
+    y.square().sum().backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (name not in eager), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, eager[name], msg=name)
