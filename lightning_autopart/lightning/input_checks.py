@@ -9,14 +9,14 @@ capture and profiling. Nothing here imports Lightning: loaders and modules are p
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_autopart.errors import ConfigError
 
-__all__ = ["check_stages", "check_trainable", "empty_loader_message"]
+__all__ = ["check_input_shapes", "check_stages", "check_trainable", "empty_loader_message"]
 
 
 def check_stages(num_stages: int | None, world_size: int) -> None:
@@ -83,3 +83,23 @@ def check_trainable(root: nn.Module, root_name: str, module: Any) -> None:
         f"nothing to train: the pipelined model {name}, the module training_step calls first, {why}; {fix}, or "
         "run trainer.validate, test or predict instead of fit"
     )
+
+
+def check_input_shapes(tensors: Sequence[Any], captured: Sequence[tuple[int, ...]], model: str) -> None:
+    """Refuse a step whose tensors for ``model`` differ from the captured inputs past the batch dimension (a
+    batch padded to its own longest sample): the stages run fixed shapes, and another length would fail
+    deep inside a stage on one rank, or run on shapes nothing planned."""
+    if len(tensors) != len(captured):
+        raise ConfigError(
+            f"the step passes {len(tensors)} tensor(s) to {model}, which was captured with {len(captured)}; "
+            "pass the same inputs in every step (an optional input such as attention_mask in all or none)"
+        )
+    for i, (t, shape) in enumerate(zip(tensors, captured, strict=True)):
+        if isinstance(t, Tensor) and tuple(t.shape[1:]) != tuple(shape[1:]):
+            planned = ", ".join(["batch", *map(str, shape[1:])])
+            raise ConfigError(
+                f"input {i} of {model} has shape {tuple(t.shape)}, but the pipeline was captured with "
+                f"({planned}): pipelined shapes are fixed, so give every batch the same shape past the batch "
+                "dimension (pad text to a fixed length, e.g. tokenizer(..., padding='max_length', "
+                "max_length=N), not to each batch's longest sample)"
+            )

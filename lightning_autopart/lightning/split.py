@@ -101,7 +101,8 @@ def split_module(
     groups = build_groups(plan, tied, device.type)
     runner = PipelineRunner(plan, captured, rank, device, tied=tied, groups=groups)
     channel = open_log_channel(plan, rank, device)
-    steps = PipelinedSteps(module, call.name, runner, channel, device, captured.constant_inputs)
+    shapes = tuple(t.shape for t in captured.inputs)
+    steps = PipelinedSteps(module, call.name, runner, channel, device, captured.constant_inputs, shapes)
     steps.batchless = batchless_outputs(captured.cuts[-1], plan.micro_batch_size)
     pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
     return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size, materialized)

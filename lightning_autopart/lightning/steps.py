@@ -34,6 +34,7 @@ from lightning_autopart.lightning.hooks import (
     sample_range,
     slice_batch,
 )
+from lightning_autopart.lightning.input_checks import check_input_shapes
 from lightning_autopart.lightning.log_channel import LogChannel
 from lightning_autopart.lightning.ragged import (
     coupled_message,
@@ -53,7 +54,8 @@ class PipelinedSteps:
 
     ``module`` is a LightningModule (any object with the step methods and ``log``); nothing here imports
     Lightning. ``constant_inputs`` are the non-tensor arguments the model was captured with (see
-    ``CapturedModel.constant_inputs``): a step calling the model with other values is refused.
+    ``CapturedModel.constant_inputs``): a step calling the model with other values is refused, as is one whose
+    tensors differ past the batch dimension from ``input_shapes``, those the model was captured with.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class PipelinedSteps:
         channel: LogChannel,
         device: torch.device,
         constant_inputs: tuple[tuple[int, Any], ...] = (),
+        input_shapes: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         self.module = module
         self.root_name = root_name
@@ -71,6 +74,7 @@ class PipelinedSteps:
         self.channel = channel
         self.device = device
         self.constant_inputs = constant_inputs
+        self.input_shapes = input_shapes  # the captured model inputs' shapes (None: not checked)
         #: Applied to each micro-batch's loss before its backward (a gradient scaler's ``scale``), or None.
         self.scale: Callable[[Tensor], Tensor] | None = None
         #: The model's floating outputs without a batch dimension (see ``ragged.batchless_outputs``).
@@ -220,6 +224,8 @@ class PipelinedSteps:
                     f"{captured!r} (argument {position} of the flattened call); autopart bakes arguments that are "
                     "not tensors into the pipeline, so pass the same value in every step"
                 )
+        if self.input_shapes is not None:
+            check_input_shapes(tensors, self.input_shapes, self.root_name or type(self.module).__name__)
         return tensors
 
     def replay(

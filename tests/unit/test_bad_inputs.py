@@ -279,3 +279,21 @@ def test_a_window_left_by_a_failed_fit_is_not_reported_by_the_next() -> None:
     first.global_step = first.fit_loop.epoch_loop._batches_that_stepped = 1  # the same Trainer fits again
     first.fit_loop.epoch_loop.batch_progress.is_last_batch = True
     check.observe(torch.tensor(1.0), first, 1)
+
+
+def test_a_batch_of_another_length_is_refused_with_the_fix() -> None:
+    """Text padded to each batch's longest sample changes the sequence length between steps; the stages run
+    the captured shapes, so the step is refused before they run, with both shapes and the fix."""
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randint(0, 50, (4, t), generator=g) for _ in range(2)] for t in (8, 8, 6)]
+    match = r"input 0 of .* has shape \(4, 6\), but the pipeline was captured with \(batch, 8\).*max_length"
+    with pytest.raises(ConfigError, match=match):
+        _trainer(max_steps=3).fit(Lit("gpt"), DataLoader(batches, batch_size=None))
+
+
+def test_a_step_passing_other_tensors_than_captured_is_refused() -> None:
+    from lightning_autopart.lightning.input_checks import check_input_shapes
+
+    with pytest.raises(ConfigError, match=r"passes 1 tensor\(s\) to GPT, which was captured with 2; .*mask"):
+        check_input_shapes([torch.zeros(4, 8)], [(2, 8), (2, 8)], "GPT")
+    check_input_shapes([torch.zeros(4, 8), torch.zeros(4, 8, 3)], [(2, 8), (2, 8, 3)], "GPT")  # batch may differ
