@@ -122,8 +122,8 @@ def check_function(function: type[Function], described: list[Any], spec: pytree.
     cuda = sorted({d.device.index or 0 for d in specs if d.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=cuda):  # leaves the user's generators as they were
-            custom, custom_inputs = _run(function.apply, described, spec)
-            inlined, inlined_inputs = _run(_inline(function), described, spec)
+            custom, custom_inputs = _run(function.apply, described, spec, cuda)
+            inlined, inlined_inputs = _run(_inline(function), described, spec, cuda)
     except Exception as error:
         return f"it could not be checked: {type(error).__name__}: {_first_line(error)}"
     if [o.requires_grad for o in custom] != [o.requires_grad for o in inlined]:
@@ -166,11 +166,15 @@ def _describe(leaf: Any) -> Any:
 
 
 def _run(
-    call: Any, described: list[Any], spec: pytree.TreeSpec
+    call: Any, described: list[Any], spec: pytree.TreeSpec, cuda: list[int]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``call`` on random inputs as ``described`` (the same values at every call): its floating outputs, and
     the inputs that need a gradient. Floats are normal and others zero, with a batch of one where large."""
-    torch.manual_seed(0)  # a forward that draws (dropout) draws alike on both paths
+    # A forward that draws (dropout) draws alike on both paths. Only the generators the caller forked are
+    # seeded: torch.manual_seed would also reset every CUDA generator, which the user's run goes on with.
+    torch.default_generator.manual_seed(0)
+    for index in cuda:
+        torch.cuda.default_generators[index].manual_seed(0)
     tensors = [d for d in described if isinstance(d, _TensorSpec)]
     shrink = sum(math.prod(d.shape) for d in tensors) > _CHECK_ELEMENTS
     generator = torch.Generator().manual_seed(0)

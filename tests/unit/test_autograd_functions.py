@@ -93,6 +93,14 @@ def test_a_hand_written_derivative_is_exported() -> None:
     assert_grads_equal_eager(model, captured, x)
 
 
+def test_checking_a_function_leaves_the_random_generators_as_they_were() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 4), Applies(Square), nn.Linear(4, 2))
+    state = torch.get_rng_state()
+    assert capture(model, torch.ones(3, 4)).method == "export"  # Square was checked, on random inputs
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 class Checkpointed(nn.Module):
     """A layer that checkpoints its activations, reentrant (torch's default) or not."""
 
