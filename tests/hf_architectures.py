@@ -114,12 +114,13 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def build(arch: str | Architecture, device: str = "meta", *, dropout: bool = True) -> nn.Module:
     """Architecture ``arch`` (a name of :data:`ARCHITECTURES`, or a row) from its tiny config, built on
-    ``device`` (random weights, seed 0 off meta). ``dropout=False`` sets every dropout probability to 0.0."""
+    ``device`` (random weights, seed 0 off meta). ``dropout=False`` sets every dropout, drop-path and
+    layer-drop probability to 0.0: the forward is then deterministic in training mode."""
     row = ARCHITECTURES[arch] if isinstance(arch, str) else arch
     config = getattr(transformers, row.config)(**row.settings)
     if not dropout:
         for key, value in vars(config).items():
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            if isinstance(value, float) and ("drop" in key or "pdrop" in key):
                 setattr(config, key, 0.0)
     torch.manual_seed(0)
     with torch.device(device):
