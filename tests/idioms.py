@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Factory", "KVCache", "Positional", "Structured", "StructuredOut", "WideResidual"]
+__all__ = ["Factory", "GradientTricks", "KVCache", "Positional", "Structured", "StructuredOut", "WideResidual"]
 
 
 class Factory(nn.Module):
@@ -126,3 +126,47 @@ class Positional(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, keep)
         return self.head(x)
+
+
+class _Reversal(torch.autograd.Function):
+    """Gradient reversal (domain adaptation): identity forward, the gradient negated and halved."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -0.5 * grad
+
+
+class _Reverse(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Reversal.apply(x)
+
+
+class _HookedLinear(nn.Linear):
+    """Scales its output's gradient with a tensor hook registered in its forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if y.requires_grad:
+            y.register_hook(lambda g: g * 0.25)
+        return y
+
+
+class GradientTricks(nn.Module):
+    """Code that changes gradients outside any operation, all of which torch.export would drop: a custom
+    autograd Function, a tensor hook registered in a forward, and a module backward hook. The forward calls
+    submodules only, so module hooks can cut between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act_a, self.act_b = nn.Linear(16, 16), nn.ReLU(), nn.ReLU()
+        self.reverse = _Reverse()
+        self.b = _HookedLinear(16, 16)
+        self.c = nn.Linear(16, 16)
+        self.c.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3.0,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.act_b(self.b(self.reverse(self.act_a(self.a(x))))))

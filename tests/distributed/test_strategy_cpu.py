@@ -47,6 +47,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "mlp", "stages": 2, "precision": "16-true"},
             # fp16 gradients overflow at first: every stage must skip the same steps as one process does
             {"model": "mlp", "stages": 2, "precision": "16-mixed", "scale": 2.0**40},
+            # a custom autograd Function, a tensor hook and a backward hook: module hooks run them in the stages
+            {"model": "gradient_tricks", "stages": 2},
         ],
     ),
     ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
