@@ -71,7 +71,7 @@ def capture(
         )
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
-    with _preserved(module), keep_host_random(), keep_attributes(module):
+    with _preserved(module), keep_host_random(module), keep_attributes(module):
         module.train()  # dropout probabilities as in training; modes are read when programs run
         captured = _capture(module, args, kwargs, max_blocks, method)
     report_dropped(captured.output, cls)

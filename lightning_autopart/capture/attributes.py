@@ -2,11 +2,13 @@
 
 [Note: Python state in the forward] A forward may keep Python state on its modules: a call counter that
 switches a warm-up branch (``self.calls += 1; if self.calls > warmup: ...``), a list it appends to, a flag it
-flips. torch.export runs the forward once, records tensor operations only, and puts every attribute back as
-it found it: the branch taken at capture is frozen into the graph and the counter never moves again, with no
-warning. So the export is watched: when a forward left a module attribute holding a plain value (numbers,
-strings, ``None``, containers of them) different from before, the export is refused and :func:`capture`
-falls back to module hooks, whose blocks run the forward's Python at every call. Module hooks freeze the
+flips, a field of a plain object it keeps (``self.state.step += 1``). torch.export runs the forward once,
+records tensor operations only, and puts every module attribute back as it found it: the branch taken at
+capture is frozen into the graph and the counter never moves again, with no warning. So the export is
+watched: when a forward left a module attribute holding a plain value (numbers, strings, ``None``,
+containers of them), or such an attribute of a plain object a module holds (one level down; a config shared
+by every layer is compared once), different from before, the export is refused and :func:`capture` falls
+back to module hooks, whose blocks run the forward's Python at every call. Module hooks freeze the
 Python between blocks in turn, so an assignment there makes that parent one block, or refuses the root (as
 for host random numbers, [Note: host random numbers]). Capture puts the attributes back in either case
 (:func:`keep_attributes`). Tensors are not plain values: assigning a tensor attribute makes torch.export fail
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_autopart.capture.host_random import plain_object
 from lightning_autopart.errors import CaptureError
 
 __all__ = ["AttributeWatch", "keep_attributes", "watch_attributes"]
@@ -58,24 +61,36 @@ class AttributeWatch:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.names: list[tuple[str, str]] = []  # (module name, attribute)
-        self._dicts: list[dict[str, Any]] = []  # each module's __dict__
+        self.names: list[tuple[str, str]] = []  # (module name, attribute path)
+        self._dicts: list[dict[str, Any]] = []  # the __dict__ holding each attribute
+        self._keys: list[str] = []  # the attribute's key in it
         self.copies: list[Any] = []
+        objects: set[int] = set()  # plain objects already watched (a config shared by every layer)
         for fqn, sub in module.named_modules(remove_duplicate=False):
             for name, value in vars(sub).items():
-                copied = _plain(value) if name not in _MODULE_ATTRS else _OPAQUE
-                if copied is not _OPAQUE:
-                    self.names.append((fqn, name))
-                    self._dicts.append(vars(sub))
-                    self.copies.append(copied)
+                if name in _MODULE_ATTRS:
+                    continue
+                self._watch(fqn, name, vars(sub), name)
+                if plain_object(value) and id(value) not in objects:  # ``self.state.step += 1``
+                    objects.add(id(value))
+                    for key in list(vars(value)):
+                        self._watch(fqn, f"{name}.{key}", vars(value), key)
+
+    def _watch(self, fqn: str, shown: str, holder: dict[str, Any], key: str) -> None:
+        copied = _plain(holder[key])
+        if copied is not _OPAQUE:
+            self.names.append((fqn, shown))
+            self._dicts.append(holder)
+            self._keys.append(key)
+            self.copies.append(copied)
 
     def _live(self, i: int) -> Any:
-        return self._dicts[i].get(self.names[i][1], _OPAQUE)
+        return self._dicts[i].get(self._keys[i], _OPAQUE)
 
     def changed(self) -> list[int]:
         """Positions whose live value differs from the copy (one that is no longer plain, such as a tensor,
         is not compared: torch.export refuses tensor attributes itself)."""
-        live = [d.get(name, _OPAQUE) for d, (_, name) in zip(self._dicts, self.names, strict=True)]
+        live = [d.get(key, _OPAQUE) for d, key in zip(self._dicts, self._keys, strict=True)]
         try:  # the common case, nothing changed, in one comparison
             if live == self.copies:
                 return []
@@ -113,7 +128,7 @@ class AttributeWatch:
         for i, old in enumerate(self.copies):
             new = _plain(self._live(i))
             if new is _OPAQUE or new != old:
-                self._dicts[i][self.names[i][1]] = _plain(old)
+                self._dicts[i][self._keys[i]] = _plain(old)
 
 
 def _short(value: Any) -> str:
@@ -145,6 +160,7 @@ def watch_attributes(module: nn.Module, cls: str) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+        watch.restore()  # torch.export puts modules' attributes back, not those of plain objects
     changes = next((c for c in seen if c), [])
     if changes:
         raise CaptureError(

@@ -55,7 +55,7 @@ def capture_export(
     with (
         _quiet(),
         flat_forward(module, found),
-        watch_host_random(cls),
+        watch_host_random(module, cls),
         watch_attributes(module, cls),
         watch_functions(cls) as functions,
         record_tensor_hooks(module) as hook_owners,

@@ -17,7 +17,7 @@ from lightning_autopart.capture.attributes import AttributeWatch
 from lightning_autopart.capture.backward_hooks import has_backward_hooks, watch_tensor_hooks
 from lightning_autopart.capture.glue import Glue, forward_message, glue_message
 from lightning_autopart.capture.graph import CapturedModel
-from lightning_autopart.capture.host_random import drawn, host_random_state
+from lightning_autopart.capture.host_random import HostRandom, record_seeding
 from lightning_autopart.capture.outputs import flatten_output
 from lightning_autopart.capture.tree import ancestors, block_modules, collapse, keep_whole, param_weight
 from lightning_autopart.errors import CaptureError
@@ -82,7 +82,8 @@ class _Tracker(TorchDispatchMode):
         self.stack: list[tuple[str, str]] = []  # (fqn, "block" | "ancestor" | "inside")
         self.calls: list[_Call] = []
         self.active: _Call | None = None
-        self.rng = host_random_state()  # the host's random streams where the last block ended
+        self.host = HostRandom(module)
+        self.rng = self.host.state()  # the host's random streams where the last block ended
         self.python = AttributeWatch(module)  # the modules' Python attributes where the last block ended
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -109,7 +110,15 @@ class _Tracker(TorchDispatchMode):
         """Glue if ``owner``'s forward drew host random numbers or changed a module's Python attribute since
         the last block ended: the path it took at capture is frozen into the stages (see [Note: host random
         numbers] and [Note: Python state in the forward])."""
-        streams = drawn(self.rng, host_random_state())
+        reseeds = self.host.reseeded(self.rng)
+        if reseeds:
+            raise Glue(
+                owner,
+                f"torch's random generator is reseeded ({reseeds}) in {{owner}}.forward outside any submodule",
+                "Reseed inside a submodule",
+                exportable=False,
+            )
+        streams = self.host.drawn(self.rng)
         if streams:
             raise Glue(
                 owner,
@@ -141,7 +150,7 @@ class _Tracker(TorchDispatchMode):
 
     def mark_host(self) -> None:
         """The host state a block leaves: its own draws and assignments run again at every call."""
-        self.rng = host_random_state()
+        self.rng = self.host.state()
         self.python.rebase()
 
     def produce(self, t: torch.Tensor, name: str) -> None:
@@ -288,7 +297,12 @@ def _capture_once(
         handles.append(modules[fqn].register_forward_pre_hook(_bind(pre, fqn), with_kwargs=True))
         handles.append(modules[fqn].register_forward_hook(_bind(post, fqn), with_kwargs=True))
     try:
-        with torch.no_grad(), tracker, watch_tensor_hooks(tracker.check_tensor_hook, no_grad_run=True):
+        with (
+            torch.no_grad(),
+            tracker,
+            watch_tensor_hooks(tracker.check_tensor_hook, no_grad_run=True),
+            record_seeding(),
+        ):
             output = module(*args, **kwargs)
     finally:
         for handle in handles:

@@ -129,3 +129,53 @@ def test_a_watch_compares_plain_values_only() -> None:
     assert watch.changes() == []
     module.shape = (1, 2)
     assert watch.changes() == ["shape ((1, 3) -> (1, 2))"]
+
+
+class Counters:
+    """A plain object a model keeps its running state in (a trainer-like ``state`` holder)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.name = "warm-up"
+
+
+class Config:
+    """A config object every layer holds and reads, as a Hugging Face model's layers hold ``config``."""
+
+    def __init__(self) -> None:
+        self.hidden = 4
+        self.scale = 0.5
+
+
+def test_state_kept_in_a_plain_object_is_watched_and_a_shared_config_is_not_a_false_alarm() -> None:
+    class Stepper(nn.Module):
+        def __init__(self, config: Config) -> None:
+            super().__init__()
+            self.layer, self.config, self.state = nn.Linear(4, 4), config, Counters()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.state.step += 1
+            return self.layer(x) * (self.config.scale if self.state.step > 2 else 1.0)
+
+    class Reader(nn.Module):
+        def __init__(self, config: Config) -> None:
+            super().__init__()
+            self.layer, self.config = nn.Linear(4, 4), config
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x) * self.config.scale
+
+    config = Config()
+    assert capture(nn.Sequential(Reader(config), Reader(config)), torch.randn(3, 4)).method == "export"
+    model = nn.Sequential(Reader(config), Stepper(config), Reader(config))
+    watch = AttributeWatch(model)
+    assert sum(name.startswith("config.") for _, name in watch.names) == 2  # the shared config once
+    captured = capture(model, torch.randn(3, 4))
+    assert captured.method == "modules"
+    assert any("1.state.step (0 -> 1)" in note for note in captured.notes), captured.notes
+    assert model[1].state.step == 0  # put back, though torch.export restores modules' attributes only
+    block = next(b for b in captured.blocks if b.modules == ("1",))
+    x = torch.randn(2, 4)
+    first, second, third = (block.program(x)[0] for _ in range(3))
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(third, 0.5 * first)  # the warm-up ends as it does eagerly

@@ -4,6 +4,7 @@ captured graph ([Note: host random numbers] in lightning_autopart/capture/host_r
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -89,3 +90,118 @@ def test_a_parent_drawing_between_its_blocks_becomes_one_block() -> None:
     captured = capture(model, torch.randn(3, 4), method="modules")
     assert [b.modules for b in captured.blocks] == [("0",), ("1",), ("2",)]
     assert any("'1' is one block" in note and "random" in note for note in captured.notes), captured.notes
+
+
+class KeptGenerator(nn.Module):
+    """Skips its layer when a generator it keeps says so: ``self.rng`` is drawn from at every call."""
+
+    def __init__(self, make: str) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        rng: object = {
+            "random.Random": random.Random(0),
+            "numpy Generator": np.random.default_rng(0),
+            "numpy RandomState": np.random.RandomState(0),
+        }[make.split(" in ")[0]]
+        if make.endswith(" in an object"):
+            rng = types.SimpleNamespace(rng=rng)
+        self.rng = [rng] if make.endswith(" in a list") else rng
+
+    def draw(self) -> float:
+        rng = self.rng[0] if isinstance(self.rng, list) else getattr(self.rng, "rng", self.rng)
+        return float(rng.random() if hasattr(rng, "random") else rng.rand())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.draw() < 0.5 else x + self.layer(x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        "random.Random",
+        "numpy Generator",
+        "numpy RandomState",
+        "random.Random in a list",
+        "numpy Generator in an object",
+    ],
+)
+def test_a_generator_the_model_keeps_is_not_frozen_and_is_left_as_found(make: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), KeptGenerator(make), nn.Linear(4, 2))
+    twin = KeptGenerator(make)  # the same stream, drawn here
+    draws = [twin.draw() for _ in range(8)]
+    assert {d < 0.5 for d in draws} == {True, False}
+    captured = capture(model, torch.randn(3, 4))
+    assert captured.method == "modules"  # torch.export would have frozen the capture's draw
+    assert any("the generator 1.rng" in note and "freeze" in note for note in captured.notes), captured.notes
+    # The module is a block, which draws at every call, from where the stream was before the capture.
+    block = next(b for b in captured.blocks if b.modules == ("1",))
+    x = torch.randn(2, 4)
+    skipped = [torch.equal(block.program(x)[0], x) for _ in range(8)]
+    assert skipped == [d < 0.5 for d in draws]
+
+
+@pytest.mark.parametrize("make", ["numpy", "python"])
+def test_a_generator_made_without_a_seed_in_the_forward_is_not_frozen(make: str) -> None:
+    class Fresh(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            u = np.random.default_rng().random() if make == "numpy" else random.Random().random()
+            return x * u
+
+    captured = capture(nn.Sequential(nn.Linear(4, 4), Fresh(), nn.Linear(4, 2)), torch.randn(3, 4))
+    assert captured.method == "modules"
+    assert any("without a seed" in note for note in captured.notes), captured.notes
+
+
+def test_a_generator_made_with_a_seed_in_the_forward_is_exported() -> None:
+    """Seeded afresh at every call, it draws the same numbers every step: the graph's constant is right."""
+
+    class Seeded(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * float(np.random.default_rng(7).random()) * random.Random(3).random()
+
+    assert capture(nn.Sequential(nn.Linear(4, 4), Seeded(), nn.Linear(4, 2)), torch.randn(3, 4)).method == "export"
+
+
+class Reseeds(nn.Module):
+    """Drops the same positions at every call: it reseeds torch before its dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)
+        return nn.functional.dropout(self.layer(x), 0.5)
+
+
+def test_a_forward_reseeding_torch_is_not_exported_and_repeats_its_mask() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), Reseeds(), nn.Linear(4, 2))
+    example = torch.randn(3, 4)
+    state, functions = torch.get_rng_state(), (torch.manual_seed, torch.random.manual_seed, random.Random.seed)
+    captured = capture(model, example)
+    assert captured.method == "modules"  # a graph would draw a new mask at every step
+    assert any("reseeds torch's random generator (torch.manual_seed)" in n for n in captured.notes), captured.notes
+    assert torch.equal(torch.get_rng_state(), state)  # capture leaves torch's generator as it found it
+    assert (torch.manual_seed, torch.random.manual_seed, random.Random.seed) == functions  # recorders removed
+    block = next(b for b in captured.blocks if b.modules == ("1",))
+    x = torch.randn(16, 4)
+    first, second = block.program(x)[0], block.program(x)[0]
+    torch.testing.assert_close(first, second)  # as eagerly: one mask
+    torch.testing.assert_close(first, model[1](x))
+
+
+def test_a_reseed_between_submodules_is_refused_with_the_fix() -> None:
+    class Glue(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            torch.manual_seed(0)
+            return self.b(x)
+
+    with pytest.raises(CaptureError, match=r"reseeded \(torch\.manual_seed\).*Glue\.forward.*inside a submodule"):
+        capture(Glue(), torch.randn(3, 4))
