@@ -7,10 +7,11 @@ records tensor operations only, and puts every module attribute back as it found
 capture is frozen into the graph and the counter never moves again, with no warning. So the export is
 watched: when a forward left a module attribute holding a plain value (numbers, strings, ``None``,
 containers of them), or such an attribute of a plain object a module holds (one level down; a config shared
-by every layer is compared once), different from before, the export is refused and :func:`capture` falls
-back to module hooks, whose blocks run the forward's Python at every call. Module hooks freeze the
-Python between blocks in turn, so an assignment there makes that parent one block, or refuses the root (as
-for host random numbers, [Note: host random numbers]). Capture puts the attributes back in either case
+by every layer is compared once), different from before (set-ups done once aside: an attribute added, or one
+set from ``None``), the export is refused and :func:`capture` falls back to module hooks, whose blocks run
+the forward's Python at every call. Module hooks freeze the Python between blocks in turn, so an assignment
+there makes that parent one block, or refuses the root (as for host random numbers, [Note: host random
+numbers]). Capture puts the attributes back in either case
 (:func:`keep_attributes`). Tensors are not plain values: assigning a tensor attribute makes torch.export fail
 on its own, and a buffer changed in place is an operation of the graph.
 """
@@ -98,7 +99,7 @@ class AttributeWatch:
             pass
         found = []
         for i, (old, new) in enumerate(zip(self.copies, live, strict=True)):
-            if new is old or new is _OPAQUE:
+            if new is old or new is _OPAQUE or old is None:  # None -> a value: a set-up done once
                 continue
             if type(new) is not type(old) or not isinstance(new, _ATOMS):
                 new = _plain(new)
@@ -109,8 +110,9 @@ class AttributeWatch:
         return found
 
     def changes(self) -> list[str]:
-        """The changed attributes as "module.attribute (old -> new)". Attributes the forward added are not
-        compared: those are set-ups done once (transformers marks so the hooks its first call installs)."""
+        """The changed attributes as "module.attribute (old -> new)". Attributes the forward added, or set
+        from ``None``, are not compared: those are set-ups done once (transformers marks so the hooks its first
+        call installs, and a classifier's ``config.problem_type`` is chosen at its first call)."""
         shown = []
         for i in self.changed():
             fqn, name = self.names[i]

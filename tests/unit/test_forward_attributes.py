@@ -145,6 +145,7 @@ class Config:
     def __init__(self) -> None:
         self.hidden = 4
         self.scale = 0.5
+        self.problem: str | None = None
 
 
 def test_state_kept_in_a_plain_object_is_watched_and_a_shared_config_is_not_a_false_alarm() -> None:
@@ -165,11 +166,20 @@ def test_state_kept_in_a_plain_object_is_watched_and_a_shared_config_is_not_a_fa
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.layer(x) * self.config.scale
 
+    class ChoosesOnce(Reader):
+        """Sets a config field from None at its first call, as a Hugging Face classifier sets
+        ``config.problem_type``: a set-up done once, not state."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.config.problem is None:
+                self.config.problem = "regression"
+            return super().forward(x)
+
     config = Config()
-    assert capture(nn.Sequential(Reader(config), Reader(config)), torch.randn(3, 4)).method == "export"
+    assert capture(nn.Sequential(Reader(config), ChoosesOnce(config)), torch.randn(3, 4)).method == "export"
     model = nn.Sequential(Reader(config), Stepper(config), Reader(config))
     watch = AttributeWatch(model)
-    assert sum(name.startswith("config.") for _, name in watch.names) == 2  # the shared config once
+    assert sum(name.startswith("config.") for _, name in watch.names) == 3  # the shared config once
     captured = capture(model, torch.randn(3, 4))
     assert captured.method == "modules"
     assert any("1.state.step (0 -> 1)" in note for note in captured.notes), captured.notes
