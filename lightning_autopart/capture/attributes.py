@@ -2,9 +2,10 @@
 
 [Note: Python state in the forward] A forward may keep Python state on its modules: a call counter that
 switches a warm-up branch (``self.calls += 1; if self.calls > warmup: ...``), a list it appends to, a flag it
-flips, a field of a plain object it keeps (``self.state.step += 1``). torch.export runs the forward once,
-records tensor operations only, and puts every module attribute back as it found it: the branch taken at
-capture is frozen into the graph and the counter never moves again, with no warning. So the export is
+flips, a field of a plain object it keeps (``self.state.step += 1``), a submodule's mode (``self.bn.eval()``;
+the stages read modes when they run, so the forward's own call would be lost). torch.export runs the forward
+once, records tensor operations only, and puts every module attribute back as it found it: the branch taken
+at capture is frozen into the graph and the counter never moves again, with no warning. So the export is
 watched: when a forward left a module attribute holding a plain value (numbers, strings, ``None``,
 containers of them), or such an attribute of a plain object a module holds (one level down; a config shared
 by every layer is compared once), different from before (set-ups done once aside: an attribute added, or one
@@ -29,11 +30,12 @@ from torch import nn
 from lightning_autopart.capture.host_random import plain_object
 from lightning_autopart.errors import CaptureError
 
-__all__ = ["AttributeWatch", "keep_attributes", "watch_attributes"]
+__all__ = ["AttributeWatch", "keep_attributes", "state_fix", "watch_attributes"]
 
 _ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
-# nn.Module's own attributes, and "forward", which flat_forward shadows during export.
-_MODULE_ATTRS = frozenset(nn.Module().__dict__) | {"forward"}
+# nn.Module's own attributes but its mode, and "forward", which flat_forward shadows during export.
+_MODULE_ATTRS = (frozenset(nn.Module().__dict__) - {"training"}) | {"forward"}
+MODE_FIX = "set a module's mode in an override of train(), which the stages call, not in the forward"
 _OPAQUE = object()  # a value that is not plain: not compared
 
 
@@ -111,8 +113,8 @@ class AttributeWatch:
 
     def changes(self) -> list[str]:
         """The changed attributes as "module.attribute (old -> new)". Attributes the forward added, or set
-        from ``None``, are not compared: those are set-ups done once (transformers marks so the hooks its first
-        call installs, and a classifier's ``config.problem_type`` is chosen at its first call)."""
+        from ``None``, are not compared: those are set-ups done once (transformers marks so the hooks its
+        first call installs, and a classifier's ``config.problem_type`` is chosen at its first call)."""
         shown = []
         for i in self.changed():
             fqn, name = self.names[i]
@@ -131,6 +133,14 @@ class AttributeWatch:
             new = _plain(self._live(i))
             if new is _OPAQUE or new != old:
                 self._dicts[i][self._keys[i]] = _plain(old)
+
+
+def state_fix(changes: list[str]) -> str:
+    """How to keep the state ``changes`` (from :meth:`AttributeWatch.changes`) out of the forward: a mode
+    set there (``self.bn.eval()``, a frozen batch norm) belongs in ``train()``; other state in a buffer."""
+    if any(c.startswith("training (") or ".training (" in c for c in changes):
+        return MODE_FIX
+    return "keep such state in a buffer, or out of the forward"
 
 
 def _short(value: Any) -> str:
@@ -168,5 +178,5 @@ def watch_attributes(module: nn.Module, cls: str) -> Iterator[None]:
         raise CaptureError(
             f"{cls}.forward changes the Python attribute{'s' if len(changes) > 1 else ''} "
             f"{', '.join(changes[:3])}, which torch.export would freeze into the graph (every step would run "
-            "as at capture); keep such state in a buffer, or out of the forward"
+            f"as at capture); {state_fix(changes)}"
         )

@@ -32,7 +32,14 @@ from torch import nn
 
 from lightning_autopart.errors import CaptureError
 
-__all__ = ["HostRandom", "is_generator", "keep_host_random", "plain_object", "record_seeding", "watch_host_random"]
+__all__ = [
+    "HostRandom",
+    "is_generator",
+    "keep_host_random",
+    "plain_object",
+    "record_seeding",
+    "watch_host_random",
+]
 
 _EVENTS: list[str] = []  # calls recorded by record_seeding (reseeds, unseeded generators), in order
 _INSIDE: list[str] = []  # the recorded calls running now

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture.assemble import RawBlock, assemble
-from lightning_autopart.capture.attributes import AttributeWatch
+from lightning_autopart.capture.attributes import MODE_FIX, AttributeWatch, state_fix
 from lightning_autopart.capture.backward_hooks import has_backward_hooks, watch_tensor_hooks
 from lightning_autopart.capture.glue import Glue, forward_message, glue_message
 from lightning_autopart.capture.graph import CapturedModel
@@ -114,7 +114,8 @@ class _Tracker(TorchDispatchMode):
         if reseeds:
             raise Glue(
                 owner,
-                f"torch's random generator is reseeded ({reseeds}) in {{owner}}.forward outside any submodule",
+                f"torch's random generator is reseeded ({reseeds}) in {{owner}}.forward outside any "
+                "submodule",
                 "Reseed inside a submodule",
                 exportable=False,
             )
@@ -132,7 +133,9 @@ class _Tracker(TorchDispatchMode):
                 owner,
                 f"{{owner}}.forward changes the Python attribute{'s' if len(changes) > 1 else ''} "
                 f"{', '.join(changes[:3])} outside any submodule",
-                "Keep that state in a submodule's forward or in a buffer",
+                "Keep that state in a submodule's forward or in a buffer"
+                if state_fix(changes) != MODE_FIX
+                else "Set that mode in an override of train(), or in a submodule's forward",
                 exportable=False,
             )
 

@@ -120,7 +120,7 @@ def test_a_watch_compares_plain_values_only() -> None:
     module = nn.Linear(2, 2)
     module.tag, module.shape, module.cache = "a", (1, 2), {"t": torch.ones(1)}
     watch = AttributeWatch(module)
-    assert {name for _, name in watch.names} == {"in_features", "out_features", "tag", "shape"}
+    assert {name for _, name in watch.names} == {"training", "in_features", "out_features", "tag", "shape"}
     module.tag, module.shape, module.cache = "b", (1, 3), {"t": torch.zeros(1)}  # the cache holds a tensor
     module.in_features = torch.tensor(2)  # no longer plain: torch.export refuses tensor attributes itself
     module.added = 1
@@ -189,3 +189,43 @@ def test_state_kept_in_a_plain_object_is_watched_and_a_shared_config_is_not_a_fa
     first, second, third = (block.program(x)[0] for _ in range(3))
     torch.testing.assert_close(first, second)
     torch.testing.assert_close(third, 0.5 * first)  # the warm-up ends as it does eagerly
+
+
+def test_a_mode_set_in_the_forward_is_kept_and_one_set_in_train_is_exported() -> None:
+    """A frozen batch norm: ``self.bn.eval()`` in the forward would be lost (the stages read modes when they
+    run), so that module stays one block; the same freeze written in ``train()`` exports."""
+
+    class EvalInForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.layer = nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.bn.eval()
+            return self.layer(self.bn(x))
+
+    class EvalInTrain(EvalInForward):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(self.bn(x))
+
+        def train(self, mode: bool = True) -> EvalInTrain:
+            super().train(mode)
+            self.bn.eval()
+            return self
+
+    for frozen in (EvalInForward(), EvalInTrain()):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), frozen, nn.Linear(4, 2)).train()
+        model[1].bn.running_mean.fill_(3.0)  # train-mode statistics would differ from the running ones
+        captured = capture(model, torch.randn(3, 4))
+        if isinstance(frozen, EvalInTrain):
+            assert captured.method == "export"
+        else:
+            assert ("1",) in [b.modules for b in captured.blocks]
+            assert any("1.bn.training (True -> False)" in n and "train()" in n for n in captured.notes)
+        model.train()
+        x = torch.randn(5, 4)
+        y = x
+        for block in captured.blocks:
+            y = block.program(y)[0]
+        torch.testing.assert_close(y, model(x))

@@ -160,7 +160,8 @@ def test_a_generator_made_with_a_seed_in_the_forward_is_exported() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * float(np.random.default_rng(7).random()) * random.Random(3).random()
 
-    assert capture(nn.Sequential(nn.Linear(4, 4), Seeded(), nn.Linear(4, 2)), torch.randn(3, 4)).method == "export"
+    model = nn.Sequential(nn.Linear(4, 4), Seeded(), nn.Linear(4, 2))
+    assert capture(model, torch.randn(3, 4)).method == "export"
 
 
 class Reseeds(nn.Module):
@@ -179,10 +180,12 @@ def test_a_forward_reseeding_torch_is_not_exported_and_repeats_its_mask() -> Non
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 4), Reseeds(), nn.Linear(4, 2))
     example = torch.randn(3, 4)
-    state, functions = torch.get_rng_state(), (torch.manual_seed, torch.random.manual_seed, random.Random.seed)
+    state = torch.get_rng_state()
+    functions = (torch.manual_seed, torch.random.manual_seed, random.Random.seed)
     captured = capture(model, example)
     assert captured.method == "modules"  # a graph would draw a new mask at every step
-    assert any("reseeds torch's random generator (torch.manual_seed)" in n for n in captured.notes), captured.notes
+    said = "reseeds torch's random generator (torch.manual_seed)"
+    assert any(said in note for note in captured.notes), captured.notes
     assert torch.equal(torch.get_rng_state(), state)  # capture leaves torch's generator as it found it
     assert (torch.manual_seed, torch.random.manual_seed, random.Random.seed) == functions  # recorders removed
     block = next(b for b in captured.blocks if b.modules == ("1",))
@@ -203,5 +206,6 @@ def test_a_reseed_between_submodules_is_refused_with_the_fix() -> None:
             torch.manual_seed(0)
             return self.b(x)
 
-    with pytest.raises(CaptureError, match=r"reseeded \(torch\.manual_seed\).*Glue\.forward.*inside a submodule"):
+    said = r"reseeded \(torch\.manual_seed\).*Glue\.forward.*inside a submodule"
+    with pytest.raises(CaptureError, match=said):
         capture(Glue(), torch.randn(3, 4))
