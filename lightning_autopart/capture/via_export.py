@@ -29,6 +29,7 @@ from lightning_autopart.capture.causal import fold_causal_masks
 from lightning_autopart.capture.functions import watch_functions
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.host_random import watch_host_random
+from lightning_autopart.capture.meta_layouts import meta_layouts
 from lightning_autopart.capture.outputs import flat_forward
 from lightning_autopart.capture.portable import ModeSwitch, home_device, make_portable
 from lightning_autopart.capture.tree import block_modules, param_weight
@@ -90,7 +91,7 @@ def capture_export(
     interface, programs = _split(nodes_of, attrs, model_outputs, home, ModeSwitch(module))
     split_graph = _top_graph(cls, user_inputs, interface, programs, model_outputs)
     recorder = _Recorder(split_graph)
-    with torch.no_grad():
+    with torch.no_grad(), meta_layouts([*flat, *module.parameters()]):  # [Note: channels-last on meta]
         recorder.run(*flat)
 
     names = _run_names([fqns[b] or cls for b in group_blocks])

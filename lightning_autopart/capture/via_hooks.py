@@ -18,6 +18,7 @@ from lightning_autopart.capture.backward_hooks import has_backward_hooks, watch_
 from lightning_autopart.capture.glue import Glue, forward_message, glue_message
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import HostRandom, record_seeding
+from lightning_autopart.capture.meta_layouts import meta_layouts
 from lightning_autopart.capture.outputs import flatten_output
 from lightning_autopart.capture.tree import ancestors, block_modules, collapse, keep_whole, param_weight
 from lightning_autopart.errors import CaptureError
@@ -302,6 +303,7 @@ def _capture_once(
     try:
         with (
             torch.no_grad(),
+            meta_layouts([*leaves, *module.parameters()]),  # before the tracker: [Note: channels-last on meta]
             tracker,
             watch_tensor_hooks(tracker.check_tensor_hook, no_grad_run=True),
             record_seeding(),

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_autopart.capture.graph import Block
+from lightning_autopart.capture.meta_layouts import meta_layouts
 from lightning_autopart.profile.opcount import OpCounter
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.sandbox import (
@@ -160,7 +161,8 @@ class Runner:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
         inputs = fresh_inputs(self.args)
-        with counter, allocations:
+        layouts = meta_layouts([*tree_leaves(inputs), *self.program.parameters()])
+        with layouts, counter, allocations:  # layouts nearest the kernels: [Note: channels-last on meta]
             counter.phase = "fwd"
             with meter.hooks(), self.context():
                 raw = self.program(*inputs)

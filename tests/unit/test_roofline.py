@@ -138,12 +138,12 @@ def test_a_channels_first_convolution_on_tensor_cores_pays_its_relayout() -> Non
     conv = nn.Conv2d(64, 64, 3, padding=1, device="meta")
     act = 8 * 64 * 32 * 32 * 4
 
-    def moved(tf32: bool, memory_format: torch.memory_format) -> float:
+    def moved(tf32: bool, memory_format: torch.memory_format, layer: nn.Module = conv) -> float:
         x = torch.empty(8, 64, 32, 32, device="meta").contiguous(memory_format=memory_format)
         counter = OpCounter(Roofline.of(H100, "float32", waves=True, tf32=tf32, conv_tf32=tf32))
         with counter:
             counter.phase = "fwd"
-            conv(x)
+            layer(x)
         return counter.counts["fwd"].nbytes
 
     plain = moved(False, torch.contiguous_format)
@@ -151,6 +151,9 @@ def test_a_channels_first_convolution_on_tensor_cores_pays_its_relayout() -> Non
         moved(True, torch.contiguous_format) == plain + 2 * 2 * act
     )  # input and output, each read + written
     assert moved(True, torch.channels_last) == moved(False, torch.channels_last) == plain
+    # A channels-last weight makes cuDNN run channels-last: it copies the NCHW input in, and only that.
+    last_weight = nn.Conv2d(64, 64, 3, padding=1, device="meta").to(memory_format=torch.channels_last)
+    assert moved(True, torch.contiguous_format, last_weight) == plain + 2 * act
 
 
 def test_a_large_product_fills_the_sms() -> None:

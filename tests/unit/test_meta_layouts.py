@@ -1,0 +1,82 @@
+"""Meta convolutions return the layout a GPU's (and the CPU's) return, so captures and estimates of a
+channels-last model stay channels-last ([Note: channels-last on meta] in capture/meta_layouts.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopart.capture import capture
+from lightning_autopart.capture.meta_layouts import MetaLayouts
+from lightning_autopart.profile import profile
+
+
+def _last(t: torch.Tensor) -> bool:
+    fmt = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    return t.is_contiguous(memory_format=fmt) and not t.is_contiguous()
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+@pytest.mark.parametrize("which", ["neither", "input", "weight", "both"])
+@pytest.mark.parametrize("groups", [1, 8])
+def test_meta_convolutions_lay_out_their_outputs_and_gradients_as_the_cpu_does(
+    dims: int, which: str, groups: int
+) -> None:
+    """cuDNN runs channels-last when the input or the weight is; oneDNN on the CPU agrees except for a
+    channels-last weight alone, which it keeps channels-first (in 3-D, and for 2-D input gradients)."""
+    fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
+    conv_type = nn.Conv2d if dims == 2 else nn.Conv3d
+    layouts = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        conv = conv_type(8, 8, 3, padding=1, groups=groups).to(device)
+        x = torch.randn(2, 8, *[6] * dims, device=device)
+        if which in ("weight", "both"):
+            conv = conv.to(memory_format=fmt)
+        if which in ("input", "both"):
+            x = x.to(memory_format=fmt)
+        x.requires_grad_(True)
+        with MetaLayouts():
+            y = conv(x)
+            (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))  # as the kernel returns it
+        layouts[device] = (_last(y), _last(grad))
+    assert layouts["meta"] == ((which != "neither"),) * 2  # cuDNN's rule
+    if which != "weight":
+        assert layouts["meta"] == layouts["cpu"]
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            *[nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()) for _ in range(3)]
+        )
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x).mean((2, 3)))
+
+
+def _conv_times(channels_last: bool) -> list[float]:
+    with torch.device("meta"):
+        model = ConvNet()
+    x = torch.randn(16, 32, 28, 28, device="meta")
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    captured = capture(model, x)
+    convs = [k for k, b in enumerate(captured.blocks) if b.modules in [("layers.1.0",), ("layers.2.0",)]]
+    assert len(convs) == 2
+    assert all(_last(captured.blocks[k].args[0]) == channels_last for k in convs)  # carried channels-last
+    estimated = profile(captured, mode="estimate", spec="h100")
+    return [estimated.blocks[k].fwd_us + estimated.blocks[k].bwd_us for k in convs]
+
+
+def test_a_channels_last_model_on_meta_is_priced_without_the_transposes_of_channels_first() -> None:
+    """cuDNN transposes channels-first operands around its tensor-core kernels ([Note: conv relayout]); a
+    channels-last model has none to pay after its first layer, as before it."""
+    second, third = _conv_times(channels_last=True)
+    nchw_second, nchw_third = _conv_times(channels_last=False)
+    assert nchw_second == pytest.approx(nchw_third, rel=1e-6)
+    assert second == pytest.approx(third, rel=1e-6)  # the same layer, the same layout: the same price
+    assert second < 0.8 * nchw_second
