@@ -59,7 +59,16 @@ from examples.gpt import GPT  # noqa: E402
 from examples.resnet import ResNet  # noqa: E402
 from examples.tutorial import Net  # noqa: E402
 
-__all__ = ["GOALS", "FidelityCase", "LlamaModule", "cases", "main", "measure_run", "predict"]
+__all__ = [
+    "GOALS",
+    "ChannelsLastResNet",
+    "FidelityCase",
+    "LlamaModule",
+    "cases",
+    "main",
+    "measure_run",
+    "predict",
+]
 
 #: Largest tolerated deviation of predicted / measured, per (mode, metric).
 GOALS: dict[tuple[str, str], float] = {
@@ -96,6 +105,18 @@ class LlamaModule(L.LightningModule):
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         (ids,) = batch
         return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+class ChannelsLastResNet(ResNet):
+    """:class:`ResNet` trained channels-last, as convnets are on tensor cores: weights converted once, images
+    at the top of the forward (cuDNN then runs no NCHW/NHWC transposes: [Note: channels-last on meta])."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.contiguous(memory_format=torch.channels_last))
 
 
 def _random_tokens(vocab: int, seq: int) -> Callable[[int], Dataset[Any]]:
@@ -135,6 +156,14 @@ def cases(tiny: bool = False) -> dict[str, FidelityCase]:
             batches["resnet"],
             "sgd",
             "32-true",
+        ),
+        "resnet50x4-b32-sgd-bf16mixed-cl": FidelityCase(
+            "resnet50x4-b32-sgd-bf16mixed-cl",
+            lambda: ChannelsLastResNet(**resnet),
+            lambda n: SyntheticImages(n, size=resnet["image_size"], classes=resnet["num_classes"], seed=0),
+            batches["resnet"],
+            "sgd",
+            "bf16-mixed",
         ),
         "net5000x24-b512-sgd-32": FidelityCase(
             "net5000x24-b512-sgd-32",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -101,7 +102,9 @@ def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
             continue
         if holder is None:
             first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
-            with graph.inserting_before(first_op):
+            with graph.inserting_before(first_op), warnings.catch_warnings():
+                # fx warns of a get_attr target that is no module, parameter or buffer: the switch is none.
+                warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
                 holder = graph.get_attr(MODES_ATTRIBUTE)
         stack = list(node.meta.get("nn_module_stack", {}).values())
         fqn = stack[-1][0] if stack else ""
