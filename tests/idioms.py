@@ -9,7 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Factory", "GradientTricks", "KVCache", "Positional", "Structured", "StructuredOut", "WideResidual"]
+__all__ = [
+    "Factory",
+    "FrozenNorm",
+    "GradientTricks",
+    "KVCache",
+    "Positional",
+    "Structured",
+    "StructuredOut",
+    "WideResidual",
+]
 
 
 class Factory(nn.Module):
@@ -170,3 +179,31 @@ class GradientTricks(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(self.act_b(self.b(self.reverse(self.act_a(self.a(x))))))
+
+
+class _FrozenBlock(nn.Module):
+    """Freezes its batch norm in its forward (``self.norm.eval()`` at every call), as fine-tuning code keeps
+    pretrained statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(16, 16), nn.BatchNorm1d(16)
+        with torch.no_grad():  # pretrained statistics, far from a batch's own
+            self.norm.running_mean.uniform_(-1.0, 1.0)
+            self.norm.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.norm.eval()
+        return torch.relu(self.norm(self.linear(x)))
+
+
+class FrozenNorm(nn.Module):
+    """A batch norm frozen in a forward: torch.export would lose the ``eval()`` call, and the stages (which
+    read modes when they run) would normalize each micro-batch by its own statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.block, self.b = nn.Linear(16, 16), _FrozenBlock(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.block(self.a(x)))

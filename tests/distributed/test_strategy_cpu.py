@@ -49,6 +49,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "mlp", "stages": 2, "precision": "16-mixed", "scale": 2.0**40},
             # a custom autograd Function, a tensor hook and a backward hook: module hooks run them in the stages
             {"model": "gradient_tricks", "stages": 2},
+            # a batch norm frozen in a forward: the stages must keep its eval() call
+            {"model": "frozen_norm", "stages": 2},
         ],
     ),
     ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
