@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from lightning_autopart.capture.graph import CapturedModel
 
-__all__ = ["assert_grads_equal_eager"]
+__all__ = ["assert_grads_equal_eager", "run_captured"]
 
 
 def assert_grads_equal_eager(model: nn.Module, captured: CapturedModel, x: torch.Tensor) -> None:
@@ -24,3 +26,13 @@ def assert_grads_equal_eager(model: nn.Module, captured: CapturedModel, x: torch
         assert (p.grad is None) == (name not in eager), name
         if p.grad is not None:
             torch.testing.assert_close(p.grad, eager[name], msg=name)
+
+
+def run_captured(captured: CapturedModel, *inputs: torch.Tensor) -> Any:
+    """The captured model's output for its tensor ``inputs`` (in capture's order), its blocks run in turn
+    on the values each reads, the output rebuilt in the forward's own structure."""
+    values = {info.name: t for info, t in zip(captured.inputs, inputs, strict=True)}
+    for block in captured.blocks:
+        outs = block.program(*(values[info.name] for info in block.inputs))
+        values.update({info.name: t for info, t in zip(block.outputs, outs, strict=True)})
+    return captured.output.rebuild([values[info.name] for info in captured.cuts[-1]])

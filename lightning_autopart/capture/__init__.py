@@ -30,7 +30,12 @@ _log = logging.getLogger(__name__)
 
 
 def capture(
-    module: nn.Module, example_inputs: Any, *, max_blocks: int = 64, method: str = "auto"
+    module: nn.Module,
+    example_inputs: Any,
+    *,
+    max_blocks: int = 64,
+    method: str = "auto",
+    check_eval: bool = False,
 ) -> CapturedModel:
     """Capture ``module`` as blocks: the units a pipeline stage boundary may fall between.
 
@@ -49,6 +54,9 @@ def capture(
         max_blocks: The block count the refinement may grow to (containers are always expanded).
         method: "export" (torch.export, non-strict; glue in any forward is fine), "modules" (hooks on
             one eager forward; glue must live inside block modules) or "auto" (export, else modules).
+        check_eval: Export again in evaluation mode, to find forwards that branch on ``self.training`` in
+            Python (``CapturedModel.eval_branches``, empty without it). The strategy's capture, whose stages
+            also run evaluation steps, turns it on; a capture only planned or profiled need not pay for it.
 
     Returns:
         The captured model.
@@ -73,13 +81,13 @@ def capture(
     kwargs = _signature_order(module, kwargs)
     with _preserved(module), keep_host_random(module), keep_attributes(module):
         module.train()  # dropout probabilities as in training; modes are read when programs run
-        captured = _capture(module, args, kwargs, max_blocks, method)
+        captured = _capture(module, args, kwargs, max_blocks, method, check_eval)
     report_dropped(captured.output, cls)
     return captured
 
 
 def _capture(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, method: str
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, method: str, check_eval: bool
 ) -> CapturedModel:
     cls = type(module).__name__
     if has_backward_hooks(module):  # see [Note: backward hooks]
@@ -91,7 +99,7 @@ def _capture(
     if method == "modules":
         return capture_modules(module, args, kwargs, max_blocks, None)
     try:
-        return capture_export(module, args, kwargs, max_blocks)
+        return capture_export(module, args, kwargs, max_blocks, check_eval)
     except Exception as error:
         reason = first_line(error)
         whole = error.owners if isinstance(error, TensorHooks) else []  # see [Note: backward hooks]

@@ -126,6 +126,9 @@ class CapturedModel:
     notes: tuple[str, ...] = ()
     #: How the forward's output is rebuilt from ``cuts[-1]`` (see [Note: output structure] in capture/outputs.py).
     output: OutputSpec = field(default_factory=lambda: OutputSpec.single())
+    #: Modules whose forward runs other operations in evaluation mode: the programs follow training mode only
+    #: (see [Note: Python branches on the mode] in capture/modes.py); empty when both modes agree.
+    eval_branches: tuple[str, ...] = ()
 
     @property
     def num_blocks(self) -> int:

@@ -21,7 +21,11 @@ torch.export's own checks of a tensor's dtype and device (``_assert_tensor_metad
 training mode (so a dropout's probability is the training one), and each such flag becomes a read of the
 ``training`` attribute of the user's module that made the call, when the program runs. Lightning's
 ``model.train()``/``model.eval()`` and a user's own per-module choice (a frozen BatchNorm) then switch the
-pipelined programs as they switch the model.
+pipelined programs as they switch the model. Attention's dropout is the one probability written with the mode:
+Hugging Face and ``nn.MultiheadAttention`` pass ``dropout_p=p if self.training else 0.0`` to
+``scaled_dot_product_attention``, so a nonzero ``dropout_p`` becomes ``p`` in training and 0 in evaluation, read
+the same way. (A forward that keeps attention dropout in evaluation is told apart by the evaluation-mode export,
+[Note: Python branches on the mode] in modes.py.)
 """
 
 from __future__ import annotations
@@ -34,16 +38,28 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["MODES_ATTRIBUTE", "ModeSwitch", "home_device", "make_portable", "stays_put"]
+__all__ = [
+    "MODES_ATTRIBUTE",
+    "MODE_ARGS",
+    "ModeSwitch",
+    "attention_dropout",
+    "home_device",
+    "make_portable",
+    "stays_put",
+]
 
 _aten = torch.ops.aten
 
 #: Operations whose argument at this position is ``self.training`` (see [Note: modes]).
-_MODE_ARGS: dict[Any, int] = {
+MODE_ARGS: dict[Any, int] = {
     _aten.dropout.default: 2,
     _aten.feature_dropout.default: 2,
     _aten.alpha_dropout.default: 2,
     _aten.feature_alpha_dropout.default: 2,
+    _aten.dropout_.default: 2,  # nn.Dropout(inplace=True)
+    _aten.feature_dropout_.default: 2,
+    _aten.alpha_dropout_.default: 2,
+    _aten.feature_alpha_dropout_.default: 2,
     _aten.native_dropout.default: 2,
     _aten.batch_norm.default: 5,
 }
@@ -70,6 +86,10 @@ class ModeSwitch:
         """Whether the module ``fqn`` of the captured model is in training mode."""
         module = self._root.get_submodule(fqn) if fqn else self._root
         return bool(module.training)
+
+    def dropout(self, fqn: str, p: float) -> float:
+        """Attention's dropout probability ``p`` in training mode, 0 in evaluation mode (see [Note: modes])."""
+        return p if self.training(fqn) else 0.0
 
 
 def make_portable(program: fx.GraphModule, home: torch.device | None, switch: ModeSwitch) -> None:
@@ -98,7 +118,8 @@ def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
     rewritten = 0
     for node in list(graph.nodes):
         position = _mode_position(node)
-        if position is None:
+        dropout = attention_dropout(node)
+        if position is None and not dropout:
             continue
         if holder is None:
             first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
@@ -108,6 +129,15 @@ def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
                 holder = graph.get_attr(MODES_ATTRIBUTE)
         stack = list(node.meta.get("nn_module_stack", {}).values())
         fqn = stack[-1][0] if stack else ""
+        if position is None:  # attention's dropout probability
+            with graph.inserting_before(node):
+                p = graph.call_method("dropout", (holder, fqn, dropout))
+            if len(node.args) > _SDPA_DROPOUT:
+                node.args = (*node.args[:_SDPA_DROPOUT], p, *node.args[_SDPA_DROPOUT + 1 :])
+            else:
+                node.kwargs = {**node.kwargs, "dropout_p": p}
+            rewritten += 1
+            continue
         with graph.inserting_before(node):
             flag = graph.call_method("training", (holder, fqn))
         args = list(node.args)
@@ -115,6 +145,18 @@ def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
         node.args = tuple(args)
         rewritten += 1
     return rewritten
+
+
+_SDPA_DROPOUT = 4  # position of scaled_dot_product_attention's dropout_p
+
+
+def attention_dropout(node: fx.Node) -> float:
+    """The constant dropout probability ``node`` gives ``scaled_dot_product_attention`` (0 for other nodes, and
+    for one read at run time)."""
+    if node.op != "call_function" or node.target is not _aten.scaled_dot_product_attention.default:
+        return 0.0
+    p = node.args[_SDPA_DROPOUT] if len(node.args) > _SDPA_DROPOUT else node.kwargs.get("dropout_p", 0.0)
+    return float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0
 
 
 def _mode_position(node: fx.Node) -> int | None:
@@ -127,7 +169,7 @@ def _mode_position(node: fx.Node) -> int | None:
         if isinstance(buffer, fx.Node) and buffer.op == "get_attr":
             return 1 if str(buffer.target).endswith("num_batches_tracked") else None
         return None
-    position = _MODE_ARGS.get(node.target)
+    position = MODE_ARGS.get(node.target)
     if position is None or len(node.args) <= position or not isinstance(node.args[position], bool):
         return None
     if node.target is _aten.batch_norm.default and node.args[3] is None:

@@ -30,6 +30,7 @@ from lightning_autopart.capture.functions import watch_functions
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.host_random import watch_host_random
 from lightning_autopart.capture.meta_layouts import meta_layouts
+from lightning_autopart.capture.modes import eval_branches, signature
 from lightning_autopart.capture.outputs import flat_forward
 from lightning_autopart.capture.portable import ModeSwitch, home_device, make_portable
 from lightning_autopart.capture.tree import block_modules, param_weight
@@ -41,9 +42,11 @@ _ATTR_KINDS = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKi
 
 
 def capture_export(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, check_eval: bool = False
 ) -> CapturedModel:
-    """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs."""
+    """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs; with
+    ``check_eval``, export it again in evaluation mode to find Python branches on the mode ([Note: Python
+    branches on the mode])."""
     found: list[OutputSpec] = []
     cls = type(module).__name__
     hooked = backward_hooked(module)  # see [Note: backward hooks]
@@ -70,6 +73,7 @@ def capture_export(
             "hooks run them",
             owners,
         )
+    trained = signature(ep.graph, training=True) if check_eval else []
     attrs, canonical, user_inputs = _lifted(ep, module)
     # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).
     fold_causal_masks(ep.graph, {n: v[2] for n, v in attrs.items() if n.op == "placeholder"})
@@ -118,7 +122,24 @@ def capture_export(
     captured = assemble(
         module, "export", blocks, inputs_info, values, out_names, split_graph, found[-1], grads
     )
-    return dataclasses.replace(captured, notes=(*captured.notes, *functions.notes()))
+    notes = (*captured.notes, *functions.notes())
+    branches: list[str] = []
+    if check_eval:
+
+        def export_again() -> Any:
+            with _quiet(), flat_forward(module, []):
+                return torch.export.export(module, args, kwargs, strict=False)
+
+        branches = eval_branches(module, trained, export_again)
+    if branches:
+        shown = ", ".join(repr(b) for b in branches[:3]) + (f" and {len(branches) - 3} more" if len(branches) > 3 else "")
+        notes = (
+            *notes,
+            f"in evaluation mode the forward of {shown} runs other operations (a Python branch on "
+            "self.training, such as a drop-path): the captured graph follows training mode, so pipelined "
+            "validation, test and predict steps are refused",
+        )
+    return dataclasses.replace(captured, notes=notes, eval_branches=tuple(branches))
 
 
 def _run_names(fqns: list[str]) -> list[str]:

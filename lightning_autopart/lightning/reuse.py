@@ -41,7 +41,8 @@ def capture_at_micro_batch(plan: Plan, root: nn.Module, call: ForwardCall, local
     from lightning_autopart.capture import capture
 
     args = slice_batch((call.args, call.kwargs), 0, plan.micro_batch_size, local_batch)
-    return capture(root, args, max_blocks=int(plan.notes.get("max_blocks", 64)))
+    # Its stages run evaluation steps too: see [Note: Python branches on the mode].
+    return capture(root, args, max_blocks=int(plan.notes.get("max_blocks", 64)), check_eval=True)
 
 
 def load_for_job(

@@ -104,6 +104,7 @@ def split_module(
     shapes = tuple(t.shape for t in captured.inputs)
     steps = PipelinedSteps(module, call.name, runner, channel, device, captured.constant_inputs, shapes)
     steps.batchless = batchless_outputs(captured.cuts[-1], plan.micro_batch_size)
+    steps.eval_branches = captured.eval_branches
     pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
     return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size, materialized)
 

@@ -79,6 +79,8 @@ class PipelinedSteps:
         self.scale: Callable[[Tensor], Tensor] | None = None
         #: The model's floating outputs without a batch dimension (see ``ragged.batchless_outputs``).
         self.batchless: list[str] = []
+        #: Modules whose forward runs other operations in evaluation mode (``CapturedModel.eval_branches``).
+        self.eval_branches: tuple[str, ...] = ()
         #: Finds a NaN or infinite training loss without a host sync per step (see [Note: non-finite loss]).
         plan = runner.plan
         self.losses = LossCheck(plan.num_stages - 1, channel.src, plan.world_size, runner.placement.rank)
@@ -139,6 +141,7 @@ class PipelinedSteps:
         the batch, its logs merged as in training and replayed on every rank. Returns the step's outputs merged
         (see :func:`merge_outputs`). A smaller batch is padded, and the step runs on its real samples only."""
         step = getattr(self.module, hook)
+        self.check_mode(hook)
         batch = args[0] if args else kwargs["batch"]
         size = self.check_batch(batch)
         self.channel.expect(hook)
@@ -183,6 +186,24 @@ class PipelinedSteps:
         box = [tree_map(_to_cpu, outputs) if self.runner.is_last else None]
         dist.broadcast_object_list(box, src=last, group=self.runner.pp_group)
         return outputs if self.runner.is_last else tree_map(lambda t: _to_device(t, self.device), box[0])
+
+    def check_mode(self, hook: str) -> None:
+        """Refuse an evaluation step of a model whose forward branches on ``self.training`` in Python: the
+        stages follow training mode (see [Note: Python branches on the mode] in capture/modes.py). Every rank
+        raises alike, before any message is sent."""
+        if not self.eval_branches or self.root().training:
+            return
+        shown = ", ".join(repr(b) for b in self.eval_branches[:3])
+        more = f" and {len(self.eval_branches) - 3} more" if len(self.eval_branches) > 3 else ""
+        raise ConfigError(
+            f"cannot run {hook} through the pipeline: in evaluation mode the forward of {shown}{more} runs other "
+            "operations than in training (a Python branch on self.training, such as a drop-path), and the "
+            "captured stages follow training mode, so its outputs would be wrong. Fix: make both modes run the "
+            "same operations (a drop-path rate of 0, e.g. drop_path_rate=0.0 in a Hugging Face config, or write "
+            "the branch with an operation that takes the mode, F.dropout(x, p, self.training)), or evaluate "
+            "without autopart (Trainer(limit_val_batches=0) here, and a plain Trainer on the checkpoint, saved "
+            "with AutoPartitionStrategy(checkpoint='full'))"
+        )
 
     def check_batch(self, batch: Any) -> int:
         """The batch's size: at most the plan's per-replica batch (pipelined shapes are fixed); a smaller one

@@ -1,0 +1,147 @@
+"""Forwards that take another path in evaluation mode, which the captured (training-mode) graph cannot follow.
+
+[Note: Python branches on the mode] A model is captured in training mode, and the flags that operations take
+(dropout's ``train``, batch norm's ``training``) follow each module's mode when the programs run ([Note:
+modes] in portable.py). A Python branch on ``self.training`` is different: torch.export records the path the
+training mode took. Stochastic depth is the common case (``if not self.training or p == 0: return x`` in the
+drop-path of Swin, BEiT and timm's models): a pipelined validation step would still drop paths at random,
+and its metrics would be wrong with no error. So an exported model is exported a second time in evaluation
+mode, and the two graphs are compared with the mode flags blanked (and batch norm's ``num_batches_tracked``
+update, made in training only, left out). The modules whose operations differ are kept on the capture
+(``CapturedModel.eval_branches``); training is unaffected, and a pipelined evaluation step of such a model is
+refused with the fix (:func:`lightning_autopart.lightning.steps.PipelinedSteps.evaluate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from lightning_autopart.capture.portable import MODE_ARGS
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_DROPOUT = 4  # position of its dropout_p
+_CONTIGUOUS = torch.ops.aten.contiguous.default
+_CHECK = torch.ops.aten._assert_tensor_metadata.default
+
+__all__ = ["eval_branches", "signature"]
+
+_Signature = list[tuple[str, str, tuple[Any, ...]]]  # (innermost module FQN, op, normalised arguments)
+
+
+def signature(graph: fx.Graph, training: bool) -> _Signature:
+    """The graph's operations in order, each with its module, with what follows the mode at run time made
+    equal: mode flags blanked ([Note: modes]), attention's dropout probability blanked where the run-time rule
+    (``p`` in training, 0 in evaluation) gives the graph's value, batch norm's batch count and ``contiguous``
+    (a copy the layout of a kernel's output decides) left out, and so are operations no output depends on. An
+    operation's inputs are named by the module that made them, so a branch changes its own module only (and
+    those that read its output)."""
+    made_by: dict[fx.Node, Any] = {}
+    found: _Signature = []
+    live = _live(graph)
+    for node in graph.nodes:
+        if node not in live:  # feeds no output (a cache that only evaluation fills, and capture drops)
+            continue
+        if node.op == "placeholder":
+            made_by[node] = node.name
+        elif node.op == "call_function":
+            if _counts_batches(node) or node.target is _CHECK:  # training's count; export's own checks
+                continue
+            if node.target is _CONTIGUOUS:  # a copy only where the layout needs one, which kernels decide
+                made_by[node] = _norm(node.args[0], made_by)
+                continue
+            stack = list(node.meta.get("nn_module_stack", {}).values())
+            fqn = stack[-1][0] if stack else ""
+            made_by[node] = ("%", fqn)
+            named = _named(node, made_by)
+            position = MODE_ARGS.get(node.target)
+            if position is not None and position in named:
+                named[position] = "<mode>"
+            if node.target is _SDPA:  # as ModeSwitch.dropout reads it: p in training, 0 in evaluation
+                p = named.get(_SDPA_DROPOUT, 0.0)
+                named[_SDPA_DROPOUT] = "<p>" if training or p == 0.0 else p
+            found.append((fqn, str(node.target), tuple(sorted(named.items(), key=str))))
+    return found
+
+
+def _live(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes some output depends on (buffer updates are outputs of an exported graph too)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    live: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
+
+
+def _named(node: fx.Node, made_by: dict[fx.Node, Any]) -> dict[Any, Any]:
+    """The node's arguments by position in its operator's schema, defaults filled in (so ``f(x, None)`` and
+    ``f(x)`` agree), each normalised by :func:`_norm`."""
+    named: dict[Any, Any] = {i: _norm(a, made_by) for i, a in enumerate(node.args)}
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        named.update({k: _norm(v, made_by) for k, v in node.kwargs.items()})
+        return named
+    for i, argument in enumerate(schema.arguments):
+        if argument.name in node.kwargs:
+            named[i] = _norm(node.kwargs[argument.name], made_by)
+        elif i not in named and argument.has_default_value():
+            named[i] = _norm(argument.default_value, made_by)
+    return named
+
+
+def _norm(value: Any, made_by: dict[fx.Node, Any]) -> Any:
+    if isinstance(value, fx.Node):
+        return made_by.get(value, value.op)
+    if isinstance(value, (list, tuple)):
+        return tuple(_norm(v, made_by) for v in value)
+    return repr(value) if not isinstance(value, (int, float, bool, str, type(None))) else value
+
+
+def _counts_batches(node: fx.Node) -> bool:
+    """Batch norm's ``num_batches_tracked += 1``, which only training mode runs."""
+    first = node.args[0] if node.args else None
+    return (
+        "add" in str(node.target)
+        and isinstance(first, fx.Node)
+        and first.op == "placeholder"
+        and "num_batches_tracked" in first.name
+    )
+
+
+def eval_branches(module: nn.Module, train: _Signature, export: Callable[[], Any]) -> list[str]:
+    """The modules whose forward runs other operations in evaluation mode than ``train`` (the training-mode
+    :func:`signature`); ``export`` exports ``module`` as capture does. Empty when both modes agree, innermost
+    modules only (a parent differs with its child)."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        try:
+            graph = export().graph
+        except Exception as error:  # the evaluation path itself does not export: it is another path
+            return [f"{type(module).__name__} (its evaluation mode does not export: {type(error).__name__})"]
+    finally:
+        for m, training in modes:
+            m.training = training
+    other = signature(graph, training=False)
+    if other == train:
+        return []
+    by_module: dict[str, list[Any]] = {}
+    for fqn, *op in train:
+        by_module.setdefault(fqn, []).append(("train", op))
+    for fqn, *op in other:
+        by_module.setdefault(fqn, []).append(("eval", op))
+    differ = [
+        fqn
+        for fqn, ops in by_module.items()
+        if [op for mode, op in ops if mode == "train"] != [op for mode, op in ops if mode == "eval"]
+    ]
+    inner = [f for f in differ if not any(o != f and o.startswith(f + ".") for o in differ)] if differ else []
+    return sorted(inner) or [type(module).__name__]
+
