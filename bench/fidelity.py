@@ -147,23 +147,21 @@ def cases(tiny: bool = False) -> dict[str, FidelityCase]:
             precision,
         )
 
+    def resnet_case(name: str, model: type[ResNet], precision: str) -> FidelityCase:
+        return FidelityCase(
+            name,
+            lambda: model(**resnet),
+            lambda n: SyntheticImages(n, size=resnet["image_size"], classes=resnet["num_classes"], seed=0),
+            batches["resnet"],
+            "sgd",
+            precision,
+        )
+
     return {
         "gpt-small-b8-adam-32": gpt_case("gpt-small-b8-adam-32", "32-true"),
-        "resnet50x4-b32-sgd-32": FidelityCase(
-            "resnet50x4-b32-sgd-32",
-            lambda: ResNet(**resnet),
-            lambda n: SyntheticImages(n, size=resnet["image_size"], classes=resnet["num_classes"], seed=0),
-            batches["resnet"],
-            "sgd",
-            "32-true",
-        ),
-        "resnet50x4-b32-sgd-bf16mixed-cl": FidelityCase(
-            "resnet50x4-b32-sgd-bf16mixed-cl",
-            lambda: ChannelsLastResNet(**resnet),
-            lambda n: SyntheticImages(n, size=resnet["image_size"], classes=resnet["num_classes"], seed=0),
-            batches["resnet"],
-            "sgd",
-            "bf16-mixed",
+        "resnet50x4-b32-sgd-32": resnet_case("resnet50x4-b32-sgd-32", ResNet, "32-true"),
+        "resnet50x4-b32-sgd-bf16mixed-cl": resnet_case(
+            "resnet50x4-b32-sgd-bf16mixed-cl", ChannelsLastResNet, "bf16-mixed"
         ),
         "net5000x24-b512-sgd-32": FidelityCase(
             "net5000x24-b512-sgd-32",

@@ -87,7 +87,12 @@ def capture(
 
 
 def _capture(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, method: str, check_eval: bool
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    max_blocks: int,
+    method: str,
+    check_eval: bool,
 ) -> CapturedModel:
     cls = type(module).__name__
     if has_backward_hooks(module):  # see [Note: backward hooks]

@@ -3,12 +3,13 @@
 [Note: channels-last on meta] A model trained channels-last (``model.to(memory_format=torch.channels_last)``,
 the layout cuDNN's tensor-core kernels take) keeps that layout from one convolution to the next on a GPU:
 cuDNN returns channels-last when the input or the weight is channels-last (oneDNN on a CPU agrees when the
-input is). The meta kernel returns a contiguous tensor whatever it is given. So a capture or an estimate on meta saw every
-convolution after the first fed a channels-first input, and priced the transposes cuDNN runs around
-channels-first operands ([Note: conv relayout] in profile/gemms.py) where the GPU runs none: 3.3x the first
-convolution's time for the same layer. :class:`MetaLayouts` gives meta convolutions (forward and backward)
-the layout the GPU's kernels choose. It must be entered before the modes that count or meter operations, so
-it sits nearest the kernels and its re-layout (free on meta: no data) is seen by none of them.
+input is). The meta kernel returns a contiguous tensor whatever it is given. So a capture or an estimate on
+meta saw every convolution after the first fed a channels-first input, and priced the transposes cuDNN runs
+around channels-first operands ([Note: conv relayout] in profile/gemms.py) where the GPU runs none: 2.3x the
+price of the same layer run channels-last (64 channels, 3x3, 56x56, batch 32, on the ``h100`` spec).
+:class:`MetaLayouts` gives meta convolutions (forward and backward) the layout the GPU's kernels choose. It
+must be entered before the modes that count or meter operations, so it sits nearest the kernels and its
+re-layout (free on meta: no data) is seen by none of them.
 """
 
 from __future__ import annotations

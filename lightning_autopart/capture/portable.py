@@ -21,11 +21,11 @@ torch.export's own checks of a tensor's dtype and device (``_assert_tensor_metad
 training mode (so a dropout's probability is the training one), and each such flag becomes a read of the
 ``training`` attribute of the user's module that made the call, when the program runs. Lightning's
 ``model.train()``/``model.eval()`` and a user's own per-module choice (a frozen BatchNorm) then switch the
-pipelined programs as they switch the model. Attention's dropout is the one probability written with the mode:
-Hugging Face and ``nn.MultiheadAttention`` pass ``dropout_p=p if self.training else 0.0`` to
-``scaled_dot_product_attention``, so a nonzero ``dropout_p`` becomes ``p`` in training and 0 in evaluation, read
-the same way. (A forward that keeps attention dropout in evaluation is told apart by the evaluation-mode export,
-[Note: Python branches on the mode] in modes.py.)
+pipelined programs as they switch the model. Attention's dropout is the one probability written with the
+mode: Hugging Face and ``nn.MultiheadAttention`` pass ``dropout_p=p if self.training else 0.0`` to
+``scaled_dot_product_attention``, so a nonzero ``dropout_p`` becomes ``p`` in training and 0 in evaluation,
+read the same way. (A forward that keeps attention dropout in evaluation is told apart by the
+evaluation-mode export, [Note: Python branches on the mode] in modes.py.)
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class ModeSwitch:
         return bool(module.training)
 
     def dropout(self, fqn: str, p: float) -> float:
-        """Attention's dropout probability ``p`` in training mode, 0 in evaluation mode (see [Note: modes])."""
+        """Attention's dropout probability ``p`` in training, 0 in evaluation (see [Note: modes])."""
         return p if self.training(fqn) else 0.0
 
 
@@ -151,8 +151,8 @@ _SDPA_DROPOUT = 4  # position of scaled_dot_product_attention's dropout_p
 
 
 def attention_dropout(node: fx.Node) -> float:
-    """The constant dropout probability ``node`` gives ``scaled_dot_product_attention`` (0 for other nodes, and
-    for one read at run time)."""
+    """The constant dropout probability ``node`` gives ``scaled_dot_product_attention`` (0 for other nodes,
+    and for one read at run time)."""
     if node.op != "call_function" or node.target is not _aten.scaled_dot_product_attention.default:
         return 0.0
     p = node.args[_SDPA_DROPOUT] if len(node.args) > _SDPA_DROPOUT else node.kwargs.get("dropout_p", 0.0)

@@ -42,7 +42,11 @@ _ATTR_KINDS = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKi
 
 
 def capture_export(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], max_blocks: int, check_eval: bool = False
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    max_blocks: int,
+    check_eval: bool = False,
 ) -> CapturedModel:
     """Export ``module`` (non-strict), cut its graph at block boundaries and record each block's inputs; with
     ``check_eval``, export it again in evaluation mode to find Python branches on the mode ([Note: Python
@@ -132,7 +136,8 @@ def capture_export(
 
         branches = eval_branches(module, trained, export_again)
     if branches:
-        shown = ", ".join(repr(b) for b in branches[:3]) + (f" and {len(branches) - 3} more" if len(branches) > 3 else "")
+        shown = ", ".join(repr(b) for b in branches[:3])
+        shown += f" and {len(branches) - 3} more" if len(branches) > 3 else ""
         notes = (
             *notes,
             f"in evaluation mode the forward of {shown} runs other operations (a Python branch on "

@@ -303,7 +303,7 @@ def _capture_once(
     try:
         with (
             torch.no_grad(),
-            meta_layouts([*leaves, *module.parameters()]),  # before the tracker: [Note: channels-last on meta]
+            meta_layouts([*leaves, *module.parameters()]),  # before the tracker (channels-last on meta)
             tracker,
             watch_tensor_hooks(tracker.check_tensor_hook, no_grad_run=True),
             record_seeding(),

@@ -196,13 +196,14 @@ class PipelinedSteps:
         shown = ", ".join(repr(b) for b in self.eval_branches[:3])
         more = f" and {len(self.eval_branches) - 3} more" if len(self.eval_branches) > 3 else ""
         raise ConfigError(
-            f"cannot run {hook} through the pipeline: in evaluation mode the forward of {shown}{more} runs other "
-            "operations than in training (a Python branch on self.training, such as a drop-path), and the "
-            "captured stages follow training mode, so its outputs would be wrong. Fix: make both modes run the "
-            "same operations (a drop-path rate of 0, e.g. drop_path_rate=0.0 in a Hugging Face config, or write "
-            "the branch with an operation that takes the mode, F.dropout(x, p, self.training)), or evaluate "
-            "without autopart (Trainer(limit_val_batches=0) here, and a plain Trainer on the checkpoint, saved "
-            "with AutoPartitionStrategy(checkpoint='full'))"
+            f"cannot run {hook} through the pipeline: in evaluation mode the forward of {shown}{more} runs "
+            "other operations than in training (a Python branch on self.training, such as a drop-path), "
+            "and the captured stages follow training mode, so its outputs would be wrong. Fix: make both "
+            "modes run the same operations (a drop-path rate of 0, e.g. drop_path_rate=0.0 in a Hugging "
+            "Face config, or write the branch with an operation that takes the mode, F.dropout(x, p, "
+            "self.training)), or "
+            "evaluate without autopart (Trainer(limit_val_batches=0) here, and a plain Trainer on the "
+            "checkpoint, saved with AutoPartitionStrategy(checkpoint='full'))"
         )
 
     def check_batch(self, batch: Any) -> int:

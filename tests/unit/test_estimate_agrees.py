@@ -25,7 +25,7 @@ KNOWN: dict[tuple[str, str], str] = {
     # convolution's layout, as first thought: meta convolutions now return channels-last as the CPU's do
     # ([Note: channels-last on meta]) and the figures did not move. The CPU runs this model's attention with
     # its flash kernel where estimate mode prices a GPU's; not traced further.
-    ("segformer", "transient_bytes"): "backward's transient peak, not yet traced (not the convolution layout)",
+    ("segformer", "transient_bytes"): "backward's transient peak, not yet traced (not the conv layout)",
 }
 
 

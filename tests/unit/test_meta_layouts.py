@@ -17,33 +17,38 @@ def _last(t: torch.Tensor) -> bool:
     return t.is_contiguous(memory_format=fmt) and not t.is_contiguous()
 
 
+def conv_layouts(
+    device: str, dims: int, which: str, groups: int, dtype: torch.dtype = torch.float32
+) -> tuple[bool, bool]:
+    """Whether a convolution's output and input gradient come out channels-last on ``device``, with the
+    input, the weight, both or neither (``which``) channels-last; under :class:`MetaLayouts`."""
+    fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
+    torch.manual_seed(0)
+    conv = (nn.Conv2d if dims == 2 else nn.Conv3d)(8, 8, 3, padding=1, groups=groups).to(device, dtype)
+    x = torch.randn(2, 8, *[6] * dims, device=device, dtype=dtype)
+    if which in ("weight", "both"):
+        conv = conv.to(memory_format=fmt)
+    if which in ("input", "both"):
+        x = x.to(memory_format=fmt)
+    x.requires_grad_(True)
+    with MetaLayouts():
+        y = conv(x)
+        (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))  # as the kernel returns it
+    return _last(y), _last(grad)
+
+
 @pytest.mark.parametrize("dims", [2, 3])
 @pytest.mark.parametrize("which", ["neither", "input", "weight", "both"])
 @pytest.mark.parametrize("groups", [1, 8])
-def test_meta_convolutions_lay_out_their_outputs_and_gradients_as_the_cpu_does(
+def test_meta_convolutions_lay_out_their_outputs_and_gradients_as_cudnn_does(
     dims: int, which: str, groups: int
 ) -> None:
     """cuDNN runs channels-last when the input or the weight is; oneDNN on the CPU agrees except for a
     channels-last weight alone, which it keeps channels-first (in 3-D, and for 2-D input gradients)."""
-    fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
-    conv_type = nn.Conv2d if dims == 2 else nn.Conv3d
-    layouts = {}
-    for device in ("cpu", "meta"):
-        torch.manual_seed(0)
-        conv = conv_type(8, 8, 3, padding=1, groups=groups).to(device)
-        x = torch.randn(2, 8, *[6] * dims, device=device)
-        if which in ("weight", "both"):
-            conv = conv.to(memory_format=fmt)
-        if which in ("input", "both"):
-            x = x.to(memory_format=fmt)
-        x.requires_grad_(True)
-        with MetaLayouts():
-            y = conv(x)
-            (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))  # as the kernel returns it
-        layouts[device] = (_last(y), _last(grad))
-    assert layouts["meta"] == ((which != "neither"),) * 2  # cuDNN's rule
+    meta = conv_layouts("meta", dims, which, groups)
+    assert meta == ((which != "neither"),) * 2  # cuDNN's rule
     if which != "weight":
-        assert layouts["meta"] == layouts["cpu"]
+        assert meta == conv_layouts("cpu", dims, which, groups)
 
 
 class ConvNet(nn.Module):
