@@ -102,7 +102,7 @@ def _capture(
             "them on its submodules, or on its parameters (Tensor.register_hook)"
         )
     if method == "modules":
-        return capture_modules(module, args, kwargs, max_blocks, None)
+        return capture_modules(module, args, kwargs, max_blocks, None, check_eval=check_eval)
     try:
         return capture_export(module, args, kwargs, max_blocks, check_eval)
     except Exception as error:
@@ -114,7 +114,7 @@ def _capture(
                 f"Remove data-dependent control flow from the forward, or use method='modules'"
             ) from error
     _log.warning("torch.export cannot trace %s (%s); capturing with module hooks instead", cls, reason)
-    captured = capture_modules(module, args, kwargs, max_blocks, reason, whole)
+    captured = capture_modules(module, args, kwargs, max_blocks, reason, whole, check_eval)
     _log.info("captured %s with module hooks: %d blocks", cls, captured.num_blocks)
     return captured
 

@@ -237,9 +237,12 @@ def capture_modules(
     max_blocks: int,
     export_error: str | None,
     whole: Sequence[str] = (),
+    check_eval: bool = False,
 ) -> CapturedModel:
     """Capture with hooks on the block modules; coarsen a block whose parent's forward holds glue, and retry.
-    ``whole``: modules that must stay one block each (their forwards register tensor hooks)."""
+    ``whole``: modules that must stay one block each (their forwards register tensor hooks). With
+    ``check_eval``, the forward runs again in evaluation mode: the glue between blocks is frozen too, so
+    blocks called otherwise there are a branch on the mode ([Note: Python branches on the mode])."""
     cls = type(module).__name__
     weight = param_weight(module)
     modules = dict(module.named_modules())
@@ -260,7 +263,14 @@ def capture_modules(
     fqns = keep_whole(fqns, whole)
     for _ in range(len(modules)):  # each retry turns one more module above the blocks into a block
         try:
-            return dataclasses.replace(_capture_once(module, args, kwargs, fqns), notes=tuple(notes))
+            captured = _capture_once(module, args, kwargs, fqns)
+            branches = _eval_glue(module, args, kwargs, fqns, captured) if check_eval else ()
+            if branches:
+                notes.append(
+                    f"in evaluation mode {cls}'s forward calls its blocks otherwise (a Python branch on "
+                    "self.training between them): pipelined validation, test and predict steps are refused"
+                )
+            return dataclasses.replace(captured, notes=tuple(notes), eval_branches=branches)
         except Glue as glue:
             if glue.owner == "":
                 raise CaptureError(glue_message(module, glue, export_error)) from None
@@ -272,6 +282,29 @@ def capture_modules(
         except Exception as error:
             raise CaptureError(forward_message(module, args, kwargs, error, export_error)) from error
     raise CaptureError(f"cannot capture {cls} with module hooks: no choice of blocks covers its forward")
+
+
+def _eval_glue(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fqns: list[str], captured: CapturedModel
+) -> tuple[str, ...]:
+    """``(module's class,)`` if its forward, run in evaluation mode, calls the blocks ``fqns`` with other
+    inputs, in another order or to other outputs than ``captured`` records; ``()`` if alike."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        other = _capture_once(module, args, kwargs, fqns)
+    except Exception:  # its glue draws, changes state or computes in evaluation mode only: another path
+        other = None
+    finally:
+        for m, training in modes:
+            m.training = training
+
+    def wiring(c: CapturedModel) -> list[Any]:
+        return [(b.modules, b.inputs, b.outputs) for b in c.blocks] + [c.cuts[-1]]
+
+    if other is not None and wiring(other) == wiring(captured):
+        return ()
+    return (type(module).__name__,)
 
 
 def _capture_once(

@@ -142,3 +142,15 @@ def test_a_pipelined_validation_of_such_a_model_is_refused_with_the_fix() -> Non
     trainer = L.Trainer(strategy=AutoPartitionStrategy(num_stages=1, profile="estimate"), **options)
     with pytest.raises(ConfigError, match=r"validation_step .* 'net\.1\.drop_path'.*drop_path_rate=0\.0"):
         trainer.fit(Lit(), data, data)
+
+
+
+def test_under_module_hooks_blocks_called_otherwise_in_evaluation_are_found() -> None:
+    """Module hooks freeze the glue between blocks: ``Picks`` feeds ``b`` another tensor in evaluation."""
+    model = nn.Sequential(nn.Linear(8, 8), Picks(), nn.Linear(8, 2))
+    captured = capture(model, torch.randn(4, 8), method="modules", check_eval=True)
+    assert captured.eval_branches == ("Sequential",)
+    assert any("calls its blocks otherwise" in note for note in captured.notes), captured.notes
+    assert model.training and model[1].training  # modes put back
+    plain = capture(_model(Residual(0.0)), torch.randn(4, 8), method="modules", check_eval=True)
+    assert plain.eval_branches == ()  # dropout and batch norm run in their blocks, as written
