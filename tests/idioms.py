@@ -15,6 +15,7 @@ __all__ = [
     "GradientTricks",
     "KVCache",
     "Positional",
+    "Reverse",
     "Structured",
     "StructuredOut",
     "WideResidual",
@@ -137,8 +138,8 @@ class Positional(nn.Module):
         return self.head(x)
 
 
-class _Reversal(torch.autograd.Function):
-    """Gradient reversal (domain adaptation): identity forward, the gradient negated and halved."""
+class Reverse(torch.autograd.Function):
+    """A gradient reversal layer (domain adaptation): identity forward, negated gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -146,12 +147,12 @@ class _Reversal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return -0.5 * grad
+        return -grad
 
 
 class _Reverse(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Reversal.apply(x)
+        return Reverse.apply(x)
 
 
 class _HookedLinear(nn.Linear):

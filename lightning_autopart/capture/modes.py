@@ -14,7 +14,8 @@ refused with the fix (:func:`lightning_autopart.lightning.steps.PipelinedSteps.e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ _SDPA_DROPOUT = 4  # position of its dropout_p
 _CONTIGUOUS = torch.ops.aten.contiguous.default
 _CHECK = torch.ops.aten._assert_tensor_metadata.default
 
-__all__ = ["eval_branches", "signature"]
+__all__ = ["eval_branches", "evaluating", "signature"]
 
 _Signature = list[tuple[str, str, tuple[Any, ...]]]  # (innermost module FQN, op, normalised arguments)
 
@@ -115,20 +116,28 @@ def _counts_batches(node: fx.Node) -> bool:
     )
 
 
+@contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in evaluation mode (``eval()``, so a user's ``train`` override runs) for the body; every
+    submodule's flag put back after."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def eval_branches(module: nn.Module, train: _Signature, export: Callable[[], Any]) -> list[str]:
     """The modules whose forward runs other operations in evaluation mode than ``train`` (the training-mode
     :func:`signature`); ``export`` exports ``module`` as capture does. Empty when both modes agree, innermost
     modules only (a parent differs with its child)."""
-    modes = [(m, m.training) for m in module.modules()]
     try:
-        module.eval()
-        try:
+        with evaluating(module):
             graph = export().graph
-        except Exception as error:  # the evaluation path itself does not export: it is another path
-            return [f"{type(module).__name__} (its evaluation mode does not export: {type(error).__name__})"]
-    finally:
-        for m, training in modes:
-            m.training = training
+    except Exception as error:  # the evaluation path itself does not export: it is another path
+        return [f"{type(module).__name__} (its evaluation mode does not export: {type(error).__name__})"]
     other = signature(graph, training=False)
     if other == train:
         return []

@@ -19,6 +19,7 @@ from lightning_autopart.capture.glue import Glue, forward_message, glue_message
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import HostRandom, record_seeding
 from lightning_autopart.capture.meta_layouts import meta_layouts
+from lightning_autopart.capture.modes import evaluating
 from lightning_autopart.capture.outputs import flatten_output
 from lightning_autopart.capture.tree import ancestors, block_modules, collapse, keep_whole, param_weight
 from lightning_autopart.errors import CaptureError
@@ -289,15 +290,11 @@ def _eval_glue(
 ) -> tuple[str, ...]:
     """``(module's class,)`` if its forward, run in evaluation mode, calls the blocks ``fqns`` with other
     inputs, in another order or to other outputs than ``captured`` records; ``()`` if alike."""
-    modes = [(m, m.training) for m in module.modules()]
     try:
-        module.eval()
-        other = _capture_once(module, args, kwargs, fqns)
+        with evaluating(module):
+            other: CapturedModel | None = _capture_once(module, args, kwargs, fqns)
     except Exception:  # its glue draws, changes state or computes in evaluation mode only: another path
         other = None
-    finally:
-        for m, training in modes:
-            m.training = training
 
     def wiring(c: CapturedModel) -> list[Any]:
         return [(b.modules, b.inputs, b.outputs) for b in c.blocks] + [c.cuts[-1]]

@@ -9,7 +9,8 @@ from torch import nn
 
 from lightning_autopart.capture import capture
 from tests.eager import assert_grads_equal_eager
-from tests.unit.test_autograd_functions import Applies, Reverse, Square
+from tests.idioms import Reverse
+from tests.unit.test_autograd_functions import Applies, Square
 
 pytestmark = [
     pytest.mark.gpu,

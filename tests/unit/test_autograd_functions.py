@@ -12,18 +12,7 @@ from torch import nn
 
 from lightning_autopart.capture import capture
 from tests.eager import assert_grads_equal_eager
-
-
-class Reverse(torch.autograd.Function):
-    """A gradient reversal layer (domain adaptation): identity forward, negated gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return -grad
+from tests.idioms import Reverse
 
 
 class StraightThrough(torch.autograd.Function):
