@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.runtime.stages import build_stage_module
 
-__all__ = ["assert_grads_equal_eager", "run_captured"]
+__all__ = ["assert_grads_equal_eager", "run_captured", "run_stages"]
 
 
 def assert_grads_equal_eager(model: nn.Module, captured: CapturedModel, x: torch.Tensor) -> None:
@@ -36,3 +38,15 @@ def run_captured(captured: CapturedModel, *inputs: torch.Tensor) -> Any:
         outs = block.program(*(values[info.name] for info in block.inputs))
         values.update({info.name: t for info, t in zip(block.outputs, outs, strict=True)})
     return captured.output.rebuild([values[info.name] for info in captured.cuts[-1]])
+
+
+def run_stages(captured: CapturedModel, count: int, *inputs: torch.Tensor) -> Any:
+    """The captured model's output for its tensor ``inputs``, run as ``count`` stage modules in a chain (the
+    last as long as the rest take), each stage as the runtime builds it."""
+    size = max(1, captured.num_blocks // count)
+    bounds = sorted({*range(0, size * (count - 1), size), captured.num_blocks})
+    values: tuple[torch.Tensor, ...] = inputs
+    for start, end in itertools.pairwise(bounds):
+        values = build_stage_module(captured, start, end)(*values)
+    return captured.output.rebuild(list(values))
+

@@ -14,6 +14,7 @@ __all__ = [
     "FrozenNorm",
     "GradientTricks",
     "KVCache",
+    "ModeBranch",
     "Positional",
     "Reverse",
     "Structured",
@@ -208,3 +209,22 @@ class FrozenNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.block(self.a(x)))
+
+
+class _Halve(nn.Module):
+    """Scales in training only, by a Python branch on the mode (as a drop-path does, without its draws)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 if self.training else x
+
+
+class ModeBranch(nn.Module):
+    """A forward that runs other operations in evaluation mode: pipelined validation must run the stages'
+    evaluation-mode programs, or its metrics differ from one process's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.halve, self.b = nn.Linear(16, 16), _Halve(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.halve(self.a(x))))

@@ -95,6 +95,10 @@ class Block:
     #: them no gradient and free them before backward, as training does (set by the planner, see
     #: :func:`lightning_autopart.planner.profile_model`).
     dead_outputs: frozenset[str] = frozenset()
+    #: The block's program in evaluation mode, where the model's forward branches on the mode in Python
+    #: (same inputs and outputs; see [Note: Python branches on the mode] in capture/modes.py); None where
+    #: one program serves.
+    eval_program: nn.Module | None = None
 
 
 @dataclass
@@ -126,9 +130,15 @@ class CapturedModel:
     notes: tuple[str, ...] = ()
     #: How the forward's output is rebuilt from ``cuts[-1]`` (see [Note: output structure] in capture/outputs.py).
     output: OutputSpec = field(default_factory=lambda: OutputSpec.single())
-    #: Modules whose forward runs other operations in evaluation mode: the programs follow training mode only
-    #: (see [Note: Python branches on the mode] in capture/modes.py); empty when both modes agree.
+    #: Modules whose forward runs other operations in evaluation mode (see [Note: Python branches on the mode]
+    #: in capture/modes.py); empty when both modes agree. Their blocks' ``eval_program`` follow that mode,
+    #: where it could be cut alike (:attr:`evaluates`).
     eval_branches: tuple[str, ...] = ()
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the blocks follow the model's evaluation mode too: no branch on it, or programs for it."""
+        return not self.eval_branches or all(b.eval_program is not None for b in self.blocks)
 
     @property
     def num_blocks(self) -> int:

@@ -8,8 +8,14 @@ drop-path of Swin, BEiT and timm's models): a pipelined validation step would st
 and its metrics would be wrong with no error. So an exported model is exported a second time in evaluation
 mode, and the two graphs are compared with the mode flags blanked (and batch norm's ``num_batches_tracked``
 update, made in training only, left out). The modules whose operations differ are kept on the capture
-(``CapturedModel.eval_branches``); training is unaffected, and a pipelined evaluation step of such a model is
-refused with the fix (:func:`lightning_autopart.lightning.steps.PipelinedSteps.evaluate`).
+(``CapturedModel.eval_branches``).
+
+Each block then gets a second program, cut from the evaluation-mode graph at the same blocks
+(``Block.eval_program``, capture/mode_programs.py); a stage runs those while the modules are in evaluation
+mode (:func:`lightning_autopart.runtime.stages.build_stage_module`), so pipelined validation follows the
+model's evaluation path. Where the evaluation graph cannot be cut alike (its blocks exchange other values,
+or it does not export), no program is made, and a pipelined evaluation step is refused with the fix
+(:func:`lightning_autopart.lightning.steps.PipelinedSteps.check_mode`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ _SDPA_DROPOUT = 4  # position of its dropout_p
 _CONTIGUOUS = torch.ops.aten.contiguous.default
 _CHECK = torch.ops.aten._assert_tensor_metadata.default
 
-__all__ = ["eval_branches", "evaluating", "signature"]
+__all__ = ["branch_mode", "eval_branches", "evaluating", "mixed_modes", "modules_of", "signature"]
 
 _Signature = list[tuple[str, str, tuple[Any, ...]]]  # (innermost module FQN, op, normalised arguments)
 
@@ -129,28 +135,56 @@ def evaluating(module: nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def eval_branches(module: nn.Module, train: _Signature, export: Callable[[], Any]) -> list[str]:
+def eval_branches(module: nn.Module, train: _Signature, export: Callable[[], Any]) -> tuple[list[str], Any]:
     """The modules whose forward runs other operations in evaluation mode than ``train`` (the training-mode
-    :func:`signature`); ``export`` exports ``module`` as capture does. Empty when both modes agree, innermost
-    modules only (a parent differs with its child)."""
+    :func:`signature`), innermost only (a parent differs with its child), and the evaluation-mode export;
+    ``export`` exports ``module`` as capture does. No modules when both modes agree; no export if it fails."""
     try:
         with evaluating(module):
-            graph = export().graph
+            ep = export()
     except Exception as error:  # the evaluation path itself does not export: it is another path
-        return [f"{type(module).__name__} (its evaluation mode does not export: {type(error).__name__})"]
-    other = signature(graph, training=False)
+        name = type(module).__name__
+        return [f"{name} (its evaluation mode does not export: {type(error).__name__})"], None
+    other = signature(ep.graph, training=False)
     if other == train:
-        return []
+        return [], ep
     by_module: dict[str, list[Any]] = {}
     for fqn, *op in train:
         by_module.setdefault(fqn, []).append(("train", op))
     for fqn, *op in other:
         by_module.setdefault(fqn, []).append(("eval", op))
-    differ = [
-        fqn
-        for fqn, ops in by_module.items()
-        if [op for mode, op in ops if mode == "train"] != [op for mode, op in ops if mode == "eval"]
-    ]
-    inner = [f for f in differ if not any(o != f and o.startswith(f + ".") for o in differ)] if differ else []
-    return sorted(inner) or [type(module).__name__]
+    differ = [fqn for fqn, ops in by_module.items() if _side(ops, "train") != _side(ops, "eval")]
+    return _innermost(differ) or [type(module).__name__], ep
 
+
+def _side(ops: list[Any], mode: str) -> list[Any]:
+    return [op for m, op in ops if m == mode]
+
+
+def _innermost(fqns: list[str]) -> list[str]:
+    """``fqns`` without those that hold another of them (a parent differs with its child), sorted."""
+    return sorted(f for f in fqns if not any(o != f and (f == "" or o.startswith(f + ".")) for o in fqns))
+
+
+def modules_of(module: nn.Module, branches: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The modules ``branches`` names in ``module``, by name (``module`` itself where it names none)."""
+    names = dict(module.named_modules())
+    return [(f, names[f]) for f in branches if f in names] or [("<root>", module)]
+
+
+def branch_mode(modules: list[tuple[str, nn.Module]]) -> bool | None:
+    """Whether ``modules`` are all in training mode (True), all in evaluation mode (False), or mixed (None):
+    a stage holds one program for each mode, not one for each mix."""
+    modes = {bool(m.training) for _, m in modules}
+    return modes.pop() if len(modes) == 1 else None
+
+
+def mixed_modes(modules: list[tuple[str, nn.Module]]) -> str:
+    """The error for ``modules`` in mixed modes, with the fix."""
+    training = [repr(f) for f, m in modules if m.training]
+    evaluating = [repr(f) for f, m in modules if not m.training]
+    return (
+        f"the modules that branch on self.training are in mixed modes (training: {', '.join(training[:3])}; "
+        f"evaluating: {', '.join(evaluating[:3])}), and a pipeline stage holds one program per mode, not one "
+        "per mix; set their modes alike (model.train() or model.eval(), or override train() to set them)"
+    )

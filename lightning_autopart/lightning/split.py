@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lightning_autopart.capture.modes import modules_of
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
@@ -104,7 +105,10 @@ def split_module(
     shapes = tuple(t.shape for t in captured.inputs)
     steps = PipelinedSteps(module, call.name, runner, channel, device, captured.constant_inputs, shapes)
     steps.batchless = batchless_outputs(captured.cuts[-1], plan.micro_batch_size)
-    steps.eval_branches = captured.eval_branches
+    if captured.evaluates and captured.eval_branches:
+        steps.branch_modules = modules_of(captured.module, captured.eval_branches)
+    elif not captured.evaluates:
+        steps.eval_branches = captured.eval_branches
     pp_group = groups[tuple(sorted(runner.placement.pp_ranks))]
     return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size, materialized)
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_autopart.capture.modes import branch_mode, mixed_modes
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.finite import LossCheck
 from lightning_autopart.lightning.hooks import (
@@ -79,8 +80,11 @@ class PipelinedSteps:
         self.scale: Callable[[Tensor], Tensor] | None = None
         #: The model's floating outputs without a batch dimension (see ``ragged.batchless_outputs``).
         self.batchless: list[str] = []
-        #: Modules whose forward runs other operations in evaluation mode (``CapturedModel.eval_branches``).
+        #: Modules whose forward runs other operations in evaluation mode, where the stages cannot follow it
+        #: (``CapturedModel.eval_branches`` unless ``CapturedModel.evaluates``): evaluation steps are refused.
         self.eval_branches: tuple[str, ...] = ()
+        #: The modules, by name, whose mode picks the stages' program where they follow both modes.
+        self.branch_modules: list[tuple[str, nn.Module]] = []
         #: Finds a NaN or infinite training loss without a host sync per step (see [Note: non-finite loss]).
         plan = runner.plan
         self.losses = LossCheck(plan.num_stages - 1, channel.src, plan.world_size, runner.placement.rank)
@@ -95,6 +99,7 @@ class PipelinedSteps:
 
         A batch smaller than the plan's is padded, its micro-batches weighted by their real samples (see
         [Note: ragged batches])."""
+        self.check_mode("training_step")
         size = self.check_batch(batch)
         self.channel.expect("training_step")
         records: list[LogRecord] = []
@@ -189,8 +194,11 @@ class PipelinedSteps:
 
     def check_mode(self, hook: str) -> None:
         """Refuse an evaluation step of a model whose forward branches on ``self.training`` in Python: the
-        stages follow training mode (see [Note: Python branches on the mode] in capture/modes.py). Every rank
-        raises alike, before any message is sent."""
+        stages follow training mode (see [Note: Python branches on the mode] in capture/modes.py), and any
+        step while the modules that pick the stages' program are in mixed modes. Every rank raises alike,
+        before any message is sent."""
+        if self.branch_modules and branch_mode(self.branch_modules) is None:
+            raise ConfigError(f"cannot run {hook} through the pipeline: {mixed_modes(self.branch_modules)}")
         if not self.eval_branches or self.root().training:
             return
         shown = ", ".join(repr(b) for b in self.eval_branches[:3])

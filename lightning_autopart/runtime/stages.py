@@ -15,12 +15,14 @@ those stages (:func:`tied_groups` lists them).
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from lightning_autopart.capture.graph import CapturedModel, TensorInfo
+from lightning_autopart.capture.modes import branch_mode, mixed_modes, modules_of
 from lightning_autopart.capture.portable import MODES_ATTRIBUTE, ModeSwitch
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
@@ -85,16 +87,46 @@ def _canonical(module: nn.Module) -> dict[int, str]:
 
 
 def _export_stage(captured: CapturedModel, start: int, end: int) -> fx.GraphModule:
-    """Inline the programs of blocks ``[start, end)`` into one graph whose attributes are canonical FQNs."""
+    """Inline the programs of blocks ``[start, end)`` into one graph whose attributes are canonical FQNs;
+    where blocks have evaluation-mode programs, a second graph of those runs in evaluation mode
+    (:class:`_Modes`)."""
     canonical = _canonical(captured.module)
+    root: dict[str, Any] = {}
+    constants: list[str] = []
+    graph = _inline(captured, start, end, canonical, root, constants, evaluation=False)
+    stage = fx.GraphModule(root, graph, class_name=f"{type(captured.module).__name__}Stage")
+    if any(captured.blocks[k].eval_program is not None for k in range(start, end)):
+        known = set(root)
+        other = _inline(captured, start, end, canonical, root, constants, evaluation=True)
+        for name in root.keys() - known:  # the evaluation graph's own constants and subgraphs
+            _attach(stage, name, root[name])
+        stage.forward = _Modes(stage, other, modules_of(captured.module, captured.eval_branches))
+    for name in dict.fromkeys(constants):  # constants are no state: keep them out of state_dict
+        owner, _, field = name.rpartition(".")
+        holder = stage.get_submodule(owner)
+        value = holder._buffers.pop(field) if field in holder._buffers else holder.__dict__.pop(field)
+        holder.register_buffer(field, value, persistent=False)
+    return stage
+
+
+def _inline(
+    captured: CapturedModel,
+    start: int,
+    end: int,
+    canonical: dict[int, str],
+    root: dict[str, Any],
+    constants: list[str],
+    evaluation: bool,
+) -> fx.Graph:
+    """The graph of blocks ``[start, end)`` (their evaluation-mode programs where they have one, with
+    ``evaluation``); the objects it reads are added to ``root`` by name, the names of constants to
+    ``constants``."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {t.name: graph.placeholder(t.name) for t in stage_inputs(captured, start)}
-    root: dict[str, Any] = {}
     attr_nodes: dict[str, fx.Node] = {}
-    constants: list[str] = []
     for k in range(start, end):
         block = captured.blocks[k]
-        program = block.program
+        program = block.eval_program if evaluation and block.eval_program is not None else block.program
         if not isinstance(program, fx.GraphModule):
             raise ConfigError(f"block {k} ({block.name}) of an 'export' capture has no graph program")
         local: dict[fx.Node, fx.Node] = {}
@@ -110,7 +142,7 @@ def _export_stage(captured: CapturedModel, start: int, end: int) -> fx.GraphModu
                     if isinstance(obj, torch.Tensor):
                         constants.append(name)
                 if name not in attr_nodes:
-                    root[name] = obj
+                    root.setdefault(name, obj)
                     attr_nodes[name] = graph.get_attr(name)
                 local[node] = attr_nodes[name]
             elif node.op == "output":
@@ -119,13 +151,32 @@ def _export_stage(captured: CapturedModel, start: int, end: int) -> fx.GraphModu
             else:
                 local[node] = graph.node_copy(node, local.__getitem__)
     graph.output(tuple(env[t.name] for t in stage_outputs(captured, end)))
-    stage = fx.GraphModule(root, graph, class_name=f"{type(captured.module).__name__}Stage")
-    for name in dict.fromkeys(constants):  # constants are no state: keep them out of state_dict
-        owner, _, field = name.rpartition(".")
-        holder = stage.get_submodule(owner)
-        value = holder._buffers.pop(field) if field in holder._buffers else holder.__dict__.pop(field)
-        holder.register_buffer(field, value, persistent=False)
-    return stage
+    return graph
+
+
+class _Modes:
+    """A stage's forward: its training graph, or its evaluation-mode graph while the modules that branch on
+    the mode are in evaluation mode (see [Note: Python branches on the mode] in capture/modes.py). The second
+    module is made when first needed, over the stage's own tensors, and again if they were replaced."""
+
+    def __init__(self, stage: fx.GraphModule, graph: fx.Graph, modules: list[tuple[str, nn.Module]]) -> None:
+        self._stage = weakref.ref(stage)  # the stage holds this forward: no cycle
+        self._graph = graph
+        self._modules = modules
+        self._eval: tuple[tuple[int, ...], fx.GraphModule] | None = None
+
+    def __call__(self, *tensors: Any) -> Any:
+        stage = self._stage()
+        assert stage is not None
+        training = branch_mode(self._modules)
+        if training is None:
+            raise ConfigError(mixed_modes(self._modules))
+        if training:
+            return type(stage).forward(stage, *tensors)
+        key = tuple(id(t) for t in (*stage.parameters(), *stage.buffers()))
+        if self._eval is None or self._eval[0] != key:
+            self._eval = key, fx.GraphModule(stage, self._graph, class_name=f"{type(stage).__name__}Eval")
+        return self._eval[1](*tensors)
 
 
 class ModuleStage(nn.Module):

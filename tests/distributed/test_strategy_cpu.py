@@ -34,7 +34,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "cnn", "stages": 2},
             {"model": "two_inputs", "stages": 2},
             {"model": "residual", "stages": 2, "via_submodule": True},
-            {"model": "mlp", "stages": 2, "accumulate": 2, "validate": True},
+            # a Python branch on self.training: validation runs the stages' evaluation-mode programs
+            {"model": "mode_branch", "stages": 2, "accumulate": 2, "validate": True},
             {"model": "gpt", "stages": 2, "clip": 0.1},
             {"model": "mlp", "stages": 1, "accumulate": 2},
             {"model": "mlp", "stages": 2, "extra_logs": True, "validate": True},

@@ -13,8 +13,8 @@ from torch.utils import _pytree as pytree
 
 from lightning_autopart.capture import capture, split_inputs
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.capture.programs import runs
 from lightning_autopart.capture.tree import block_modules, collapse, param_weight
-from lightning_autopart.capture.via_export import runs
 from lightning_autopart.errors import CaptureError, ConfigError
 from tests.models import GPT, Net, example, make
 

@@ -1,6 +1,7 @@
-"""A forward that runs other operations in evaluation mode is found at capture, and its pipelined evaluation
-steps are refused; attention's dropout follows the mode ([Note: Python branches on the mode] in
-capture/modes.py, [Note: modes] in capture/portable.py)."""
+"""A forward that runs other operations in evaluation mode is found at capture, and its stages run programs
+cut from the evaluation-mode graph in evaluation steps, or those steps are refused where none can be cut;
+attention's dropout follows the mode ([Note: Python branches on the mode] in capture/modes.py, [Note: modes]
+in capture/portable.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_autopart.capture import capture
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
-from tests.eager import run_captured
+from lightning_autopart.runtime.stages import build_stage_module
+from tests.eager import run_captured, run_stages
+from tests.idioms import ModeBranch
 
 
 class DropPath(nn.Module):
@@ -104,8 +107,13 @@ def test_attention_dropout_kept_in_evaluation_is_a_branch() -> None:
 def test_hugging_face_drop_path_is_found_and_attention_dropout_follows_the_mode() -> None:
     hf = pytest.importorskip("tests.hf_architectures")
     swin = hf.build("swin", "cpu", dropout=True)  # drop_path_rate 0.1, Swin's default
-    captured = capture(swin, hf.inputs("swin", "cpu"), check_eval=True)
+    inputs = hf.inputs("swin", "cpu")
+    captured = capture(swin, inputs, check_eval=True)
     assert captured.eval_branches and all("drop_path" in b for b in captured.eval_branches)
+    assert captured.evaluates
+    swin.eval()
+    got = run_stages(captured, 2, *inputs.values())
+    torch.testing.assert_close(got["logits"], swin(**inputs).logits, rtol=0, atol=0)  # no path dropped
     torch.manual_seed(0)
     roberta = hf.build("roberta", "cpu", dropout=True)  # attention dropout 0.1 through sdpa
     inputs = hf.inputs("roberta", "cpu")
@@ -134,15 +142,120 @@ class Lit(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_pipelined_validation_of_such_a_model_is_refused_with_the_fix() -> None:
-    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
-    options: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "max_steps": 2, "logger": False}
-    options |= {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
-    L.Trainer(strategy=AutoPartitionStrategy(num_stages=1, profile="estimate"), **options).fit(Lit(), data)
-    trainer = L.Trainer(strategy=AutoPartitionStrategy(num_stages=1, profile="estimate"), **options)
-    with pytest.raises(ConfigError, match=r"validation_step .* 'net\.1\.drop_path'.*drop_path_rate=0\.0"):
-        trainer.fit(Lit(), data, data)
+def test_stages_run_the_evaluation_program_in_evaluation_mode() -> None:
+    model, x = _model(Residual(0.5)), torch.randn(4, 8)
+    captured = capture(model, x, check_eval=True)
+    assert captured.evaluates
+    assert all(b.eval_program is not None for b in captured.blocks)
+    assert any("evaluation steps run programs cut from" in note for note in captured.notes), captured.notes
+    stages = [build_stage_module(captured, 0, 4), build_stage_module(captured, 4, 6)]
+    model.eval()
+    torch.testing.assert_close(stages[1](*stages[0](x))[0], model(x), rtol=0, atol=0)
+    model.train()  # training: paths dropped at random; gradients reach the first layer through both stages
+    torch.manual_seed(1)
+    out = stages[1](*stages[0](x))[0]
+    out.sum().backward()
+    assert model[0].weight.grad is not None and model[3].layer.weight.grad is not None
+    model[3].drop_path.eval()  # the branching module's own mode picks the program; dropout still drops
+    torch.manual_seed(2)
+    got = stages[1](*stages[0](x))[0]
+    torch.manual_seed(2)
+    torch.testing.assert_close(got, model(x), rtol=0, atol=0)
 
+
+def test_a_block_with_no_operation_in_evaluation_passes_its_input_on() -> None:
+    """``ModeBranch``'s ``halve`` is a block of its own, with no operation in evaluation mode."""
+    model, x = ModeBranch(), torch.randn(4, 16)
+    captured = capture(model, x, check_eval=True)
+    assert [b.name for b in captured.blocks] == ["a", "halve", "b"] and captured.eval_branches == ("halve",)
+    assert captured.evaluates
+    for training in (False, True):
+        model.train(training)
+        torch.testing.assert_close(run_stages(captured, 3, x), model(x), rtol=0, atol=0)
+
+
+def test_the_evaluation_program_follows_the_stage_tensors_after_a_move() -> None:
+    """The runtime moves a stage's tensors (``.data``) and materialises meta ones (swapped in place) after
+    building it; a state dict may be loaded with ``assign``: evaluation reads the tensors the stage holds
+    now."""
+    model, x = _model(Residual(0.5)), torch.randn(4, 8)
+    captured = capture(model, x, check_eval=True)
+    stage = build_stage_module(captured, 0, captured.num_blocks)
+    model.eval()
+    stage(x)
+    model[4].weight.data = torch.randn(2, 8)  # as move_in_place does
+    torch.testing.assert_close(stage(x)[0], model(x), rtol=0, atol=0)
+    model[4].weight = stage.get_submodule("4").weight = nn.Parameter(torch.randn(2, 8))  # a new tensor
+    torch.testing.assert_close(stage(x)[0], model(x), rtol=0, atol=0)
+
+
+def test_modules_that_branch_in_mixed_modes_are_refused() -> None:
+    model, x = _model(nn.Sequential(Residual(0.5), Residual(0.5))), torch.randn(4, 8)
+    captured = capture(model, x, check_eval=True)
+    assert captured.eval_branches == ("3.0.drop_path", "3.1.drop_path")
+    stage = build_stage_module(captured, 0, captured.num_blocks)
+    model.eval()
+    model[3][1].drop_path.train()  # one program per mode, not one per mix
+    with pytest.raises(ConfigError, match=r"mixed modes \(training: '3\.1\.drop_path'; evaluating: '3\.0"):
+        stage(x)
+
+
+def test_a_branch_that_changes_what_crosses_a_cut_keeps_one_program_and_is_refused() -> None:
+    """A later block reads the model's input in evaluation only: no program can stand in for its training one;
+    a branch that rewires values a block already reads is followed."""
+
+    class Rewired(nn.Module):
+        def __init__(self, read_input: bool) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+            self.read_input = read_input
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            y = self.b(h)
+            return self.c(y if self.training else y + (x if self.read_input else h))
+
+    model, x = Rewired(read_input=True), torch.randn(4, 8)
+    captured = capture(model, x, check_eval=True)
+    assert captured.eval_branches and not captured.evaluates
+    assert any("exchange other values" in n and "refused" in n for n in captured.notes), captured.notes
+    model = Rewired(read_input=False)
+    captured = capture(model, x, check_eval=True)
+    assert captured.evaluates
+    model.eval()
+    torch.testing.assert_close(run_stages(captured, 3, x), model(x), rtol=0, atol=0)
+
+
+class LitRewired(Lit):
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.net(x)
+        return y if self.training else y + x.mean(-1, keepdim=True)
+
+
+def _trainer(**more: Any) -> L.Trainer:
+    options: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False}
+    options |= {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+    strategy = AutoPartitionStrategy(num_stages=1, profile="estimate")
+    return L.Trainer(strategy=strategy, **{"num_sanity_val_steps": 0, **options, **more})
+
+
+def test_pipelined_validation_follows_the_evaluation_mode() -> None:
+    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+    torch.manual_seed(0)
+    model = Lit()
+    trainer = _trainer()
+    trainer.fit(model, data, data)
+    model.eval()
+    with torch.no_grad():
+        expected = torch.stack([F.mse_loss(model(x), y) for x, y in data]).mean()
+    torch.testing.assert_close(trainer.callback_metrics["val_loss"], expected)  # no path dropped at random
+
+
+def test_a_pipelined_validation_the_stages_cannot_follow_is_refused_with_the_fix() -> None:
+    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+    _trainer().fit(LitRewired(), data)
+    with pytest.raises(ConfigError, match=r"validation_step .*drop_path_rate=0\.0"):
+        _trainer(num_sanity_val_steps=2).fit(LitRewired(), data, data)
 
 
 def test_under_module_hooks_blocks_called_otherwise_in_evaluation_are_found() -> None:
