@@ -14,9 +14,11 @@ it runs (:func:`record_seeding`). Any of these refuses the export, and :func:`ca
 hooks, whose blocks run the forward's Python at every step. Module hooks freeze the Python between blocks
 in turn (the path a parent's forward took at capture is the path the stages take), so a draw or a reseed
 there makes that parent one block, or refuses the root. Either way :func:`capture` restores the states
-(:func:`keep_host_random`), so capturing leaves the user's random streams as it found them. Not seen: a
-generator kept only in a global variable of the user's code, and functions imported by name
-(``from torch import manual_seed``) before the capture.
+(:func:`keep_host_random`), so capturing leaves the user's random streams as it found them. A generator
+kept in a global variable is seen where a module's ``forward`` names it, and a reseed capture cannot record
+(a function imported by name, ``from torch import manual_seed``, or a generator's own ``manual_seed``) by
+torch's initial seed, which every reseed sets. Not seen: a
+global generator only a helper function names, and a reseed to the seed already in use.
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def _candidates(value: Any) -> Iterator[tuple[str, Any]]:
 
 
 def find_generators(module: nn.Module) -> list[tuple[str, Any]]:
-    """The host random generators ``module``'s submodules keep, each once, named where first found."""
+    """The host random generators ``module``'s submodules keep, and those kept in global variables their
+    ``forward`` names, each once, named where first found."""
     found: dict[int, tuple[str, Any]] = {}
     for fqn, sub in module.named_modules():
         for name, value in vars(sub).items():
@@ -123,6 +126,13 @@ def find_generators(module: nn.Module) -> list[tuple[str, Any]]:
             for suffix, candidate in _candidates(value):
                 if is_generator(candidate) and id(candidate) not in found:
                     found[id(candidate)] = (f"{fqn + '.' if fqn else ''}{name}{suffix}", candidate)
+    for cls in dict.fromkeys(type(sub) for sub in module.modules()):
+        forward = getattr(cls.forward, "__code__", None)
+        scope = getattr(cls.forward, "__globals__", {})
+        for name in forward.co_names if forward is not None else ():
+            value = scope.get(name)
+            if is_generator(value) and id(value) not in found:
+                found[id(value)] = (f"{name} (a global of {cls.__module__})", value)
     return list(found.values())
 
 
@@ -138,7 +148,7 @@ class HostRandom:
         np_random = _numpy_random()
         numpy_state = _comparable(np_random.get_state()) if np_random is not None else None
         mine = tuple(_comparable(_get_state(g)) for _, g in self.generators)
-        return random.getstate(), numpy_state, mine, len(_EVENTS)
+        return random.getstate(), numpy_state, mine, len(_EVENTS), _initial_seeds()
 
     def drawn(self, before: tuple[Any, ...]) -> str:
         """The streams drawn from since ``before`` (a :meth:`state`), as a phrase ("" for none)."""
@@ -156,6 +166,8 @@ class HostRandom:
     def reseeded(self, before: tuple[Any, ...]) -> str:
         """The torch seeding functions called since ``before`` (a :meth:`state`), or ""."""
         calls = [e for e in dict.fromkeys(_EVENTS[before[3] : len(_EVENTS)]) if e.startswith("torch")]
+        if not calls and _initial_seeds() != before[4]:  # a seeding function imported by name
+            calls = ["its initial seed changed: a manual_seed imported by name?"]
         return ", ".join(calls)
 
     def raw_states(self) -> list[Any]:
@@ -166,6 +178,12 @@ class HostRandom:
         """Put back the generators' states ``raw`` (read by :meth:`raw_states`)."""
         for (_, generator), saved in zip(self.generators, raw, strict=True):
             _set_state(generator, saved)
+
+
+def _initial_seeds() -> tuple[int, ...]:
+    """torch's generators' seeds, which every reseed sets (CUDA's only where CUDA is in use already)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return (torch.initial_seed(), *((torch.cuda.initial_seed(),) if cuda else ()))
 
 
 _Target = tuple[Any, str, str, "tuple[int, str] | None"]

@@ -9,10 +9,14 @@ import types
 import numpy as np
 import pytest
 import torch
+from torch import manual_seed as seed_by_name
 from torch import nn
 
 from lightning_autopart.capture import capture
 from lightning_autopart.errors import CaptureError
+
+#: A generator kept in a global variable, which a forward draws from by name.
+GLOBAL_RNG = random.Random(0)
 
 
 class LayerDrop(nn.Module):
@@ -209,3 +213,37 @@ def test_a_reseed_between_submodules_is_refused_with_the_fix() -> None:
     said = r"reseeded \(torch\.manual_seed\).*Glue\.forward.*inside a submodule"
     with pytest.raises(CaptureError, match=said):
         capture(Glue(), torch.randn(3, 4))
+
+
+class GlobalDraw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if GLOBAL_RNG.random() < 0.5 else x + self.layer(x)
+
+
+def test_a_generator_in_a_global_variable_the_forward_names_is_not_frozen() -> None:
+    state = GLOBAL_RNG.getstate()
+    captured = capture(nn.Sequential(nn.Linear(4, 4), GlobalDraw(), nn.Linear(4, 2)), torch.randn(3, 4))
+    assert captured.method == "modules"
+    said = "GLOBAL_RNG (a global of tests.unit.test_host_random)"
+    assert any(said in note and "freeze" in note for note in captured.notes), captured.notes
+    assert GLOBAL_RNG.getstate() == state  # left as found
+
+
+@pytest.mark.parametrize("how", ["imported by name", "generator method"])
+def test_a_reseed_capture_cannot_record_is_seen(how: str) -> None:
+    """``from torch import manual_seed`` binds the function before capture could record calls to it, and a
+    generator's own ``manual_seed`` is a method of a C type: torch's initial seed tells."""
+
+    class ReseedsOtherwise(Reseeds):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seed_by_name(0) if how == "imported by name" else torch.default_generator.manual_seed(0)
+            return nn.functional.dropout(self.layer(x), 0.5)
+
+    torch.manual_seed(1)
+    captured = capture(nn.Sequential(nn.Linear(4, 4), ReseedsOtherwise(), nn.Linear(4, 2)), torch.randn(3, 4))
+    assert captured.method == "modules"
+    assert any("reseeds torch's random generator" in note for note in captured.notes), captured.notes
