@@ -10,6 +10,13 @@ price of the same layer run channels-last (64 channels, 3x3, 56x56, batch 32, on
 :class:`MetaLayouts` gives meta convolutions (forward and backward) the layout the GPU's kernels choose. It
 must be entered before the modes that count or meter operations, so it sits nearest the kernels and its
 re-layout (free on meta: no data) is seen by none of them.
+
+[Note: gradient layouts on meta] Three backward kernels return their input's gradient in another layout
+than their meta functions: layer norm's and log-softmax's return it contiguous, batch norm's in the input's
+own layout (channels-last or contiguous), on the CPU and on CUDA alike, where meta follows the incoming
+gradient's strides. After a permute (SegFormer's ``(B, C, H, W)`` to ``(B, H*W, C)``) the next view of that
+gradient then copied it on meta only: estimate mode priced 64 KB more transient memory in SegFormer's first
+stage than its CPU run measured. :class:`MetaLayouts` gives those gradients the kernels' layouts too.
 """
 
 from __future__ import annotations
@@ -76,7 +83,29 @@ class MetaLayouts(TorchDispatchMode):
             if isinstance(x, torch.Tensor) and x.is_meta:
                 fmt = conv_memory_format(x, weight)
                 return (_as(out[0], fmt), _as(out[1], fmt), out[2])
+        elif packet in _GRADIENT_LAYOUT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            decides = _GRADIENT_LAYOUT[packet]  # [Note: gradient layouts on meta]
+            fmt = _layout(args[decides]) if decides is not None else torch.contiguous_format
+            first = out[0] if isinstance(out, tuple) else out
+            if isinstance(first, torch.Tensor) and not first.is_contiguous(memory_format=fmt):
+                first = torch.empty_like(first, memory_format=fmt)
+            return (first, *out[1:]) if isinstance(out, tuple) else first
         return out
+
+
+#: Backward kernels whose input gradient takes a fixed layout: the position of the argument whose layout it
+#: takes (batch norm's input), or None for contiguous.
+_GRADIENT_LAYOUT: dict[Any, int | None] = {
+    _aten.native_layer_norm_backward: None,
+    _aten._log_softmax_backward_data: None,
+    _aten.native_batch_norm_backward: 1,
+}
+
+
+def _layout(x: Any) -> torch.memory_format:
+    """Contiguous, or channels-last where ``x`` is (as ``suggest_memory_format`` tells)."""
+    last = _LAST.get(x.dim()) if isinstance(x, torch.Tensor) else None
+    return last if last is not None and _is_last(x, last) else torch.contiguous_format
 
 
 def meta_layouts(tensors: Any) -> contextlib.AbstractContextManager[Any]:

@@ -1,12 +1,13 @@
 """Meta convolutions under MetaLayouts lay out their outputs and gradients as cuDNN does on this GPU
-([Note: channels-last on meta] in capture/meta_layouts.py)."""
+([Note: channels-last on meta] in capture/meta_layouts.py), and three backward kernels' input gradients as
+CUDA's kernels do ([Note: gradient layouts on meta])."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.test_meta_layouts import conv_layouts
+from tests.unit.test_meta_layouts import GRADIENT_CASES, conv_layouts, gradient_strides
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,3 +22,10 @@ pytestmark = [
 def test_meta_convolutions_match_cudnn(dtype: torch.dtype, dims: int, which: str, groups: int) -> None:
     meta = conv_layouts("meta", dims, which, groups, dtype)
     assert meta == conv_layouts("cuda", dims, which, groups, dtype), (dims, which, groups, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_meta_input_gradients_match_cuda(dtype: torch.dtype, case: str) -> None:
+    assert gradient_strides("meta", case, dtype) == gradient_strides("cuda", case, dtype), (case, dtype)
+

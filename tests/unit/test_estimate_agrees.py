@@ -20,13 +20,7 @@ from lightning_autopart.capture.graph import CapturedModel
 from tests import hf_architectures, hf_cases
 
 #: Known differences, each with its reason.
-KNOWN: dict[tuple[str, str], str] = {
-    # Backward's transient peak: 258 KB estimated against 193 KB measured (stages.0). Not the depthwise
-    # convolution's layout, as first thought: meta convolutions now return channels-last as the CPU's do
-    # ([Note: channels-last on meta]) and the figures did not move. The CPU runs this model's attention with
-    # its flash kernel where estimate mode prices a GPU's; not traced further.
-    ("segformer", "transient_bytes"): "backward's transient peak, not yet traced (not the conv layout)",
-}
+KNOWN: dict[tuple[str, str], str] = {}  # (model, field) -> why estimate and measure may differ there
 
 
 def _captured(name: str) -> CapturedModel:

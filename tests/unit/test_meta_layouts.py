@@ -1,5 +1,6 @@
 """Meta convolutions return the layout a GPU's (and the CPU's) return, so captures and estimates of a
-channels-last model stay channels-last ([Note: channels-last on meta] in capture/meta_layouts.py)."""
+channels-last model stay channels-last ([Note: channels-last on meta] in capture/meta_layouts.py), and three
+backward kernels' input gradients take the kernels' layouts ([Note: gradient layouts on meta])."""
 
 from __future__ import annotations
 
@@ -49,6 +50,39 @@ def test_meta_convolutions_lay_out_their_outputs_and_gradients_as_cudnn_does(
     assert meta == ((which != "neither"),) * 2  # cuDNN's rule
     if which != "weight":
         assert meta == conv_layouts("cpu", dims, which, groups)
+
+
+def _batch_norm(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.batch_norm(x, None, None, training=True)
+
+
+#: Operations whose backward's input gradient has a fixed layout, each with its input's shape.
+GRADIENT_CASES = {
+    "layer_norm": ((4, 8, 16), lambda x: nn.functional.layer_norm(x, (16,))),
+    "log_softmax": ((4, 8, 16), lambda x: x.log_softmax(-1)),
+    "batch_norm": ((4, 16, 8), lambda x: _batch_norm(x)),
+    "batch_norm channels-last": ((2, 16, 4, 4), lambda x: _batch_norm(x)),
+}
+
+
+def gradient_strides(device: str, case: str, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
+    """The strides of the input gradient ``case``'s backward kernel returns on ``device`` for an incoming
+    gradient of permuted strides (as after a permute in the forward); under :class:`MetaLayouts`."""
+    shape, forward = GRADIENT_CASES[case]
+    x = torch.randn(*shape, device=device, dtype=dtype)
+    if case.endswith("channels-last"):
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    with MetaLayouts():
+        y = forward(x)
+        g = torch.ones(*reversed(y.shape), device=device, dtype=dtype).permute(*reversed(range(y.dim())))
+        (grad,) = torch.autograd.grad(y, x, g)  # as the kernel returns it
+    return tuple(grad.stride())
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_meta_input_gradients_take_the_kernels_layouts(case: str) -> None:
+    assert gradient_strides("meta", case) == gradient_strides("cpu", case)
 
 
 class ConvNet(nn.Module):
