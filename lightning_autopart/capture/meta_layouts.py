@@ -11,12 +11,15 @@ price of the same layer run channels-last (64 channels, 3x3, 56x56, batch 32, on
 must be entered before the modes that count or meter operations, so it sits nearest the kernels and its
 re-layout (free on meta: no data) is seen by none of them.
 
-[Note: gradient layouts on meta] Three backward kernels return their input's gradient in another layout
-than their meta functions: layer norm's and log-softmax's return it contiguous, batch norm's in the input's
-own layout (channels-last or contiguous), on the CPU and on CUDA alike, where meta follows the incoming
-gradient's strides. After a permute (SegFormer's ``(B, C, H, W)`` to ``(B, H*W, C)``) the next view of that
-gradient then copied it on meta only: estimate mode priced 64 KB more transient memory in SegFormer's first
-stage than its CPU run measured. :class:`MetaLayouts` gives those gradients the kernels' layouts too.
+[Note: kernel layouts on meta] Some kernels lay out their output otherwise than their meta functions do.
+Layer norm's and log-softmax's backward return the input's gradient contiguous, and batch norm's (forward
+and backward) in the input's own layout (channels-last or contiguous), on the CPU and on CUDA alike, where
+meta follows the incoming gradient's strides. After a permute (SegFormer's ``(B, C, H, W)`` to
+``(B, H*W, C)``) the next view of that gradient then copied it on meta only: estimate mode priced 64 KB more
+transient memory in SegFormer's first stage than its CPU run measured. A few elementwise backward kernels
+(softplus's, hardswish's, ELU's) follow the incoming gradient where their meta functions follow the input.
+:class:`MetaLayouts` gives those outputs the kernels' layouts too (:data:`_KERNEL_LAYOUT`; each checked
+against the CPU in tests/unit/test_meta_layouts.py and against CUDA in tests/gpu/).
 """
 
 from __future__ import annotations
@@ -83,23 +86,46 @@ class MetaLayouts(TorchDispatchMode):
             if isinstance(x, torch.Tensor) and x.is_meta:
                 fmt = conv_memory_format(x, weight)
                 return (_as(out[0], fmt), _as(out[1], fmt), out[2])
-        elif packet in _GRADIENT_LAYOUT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            decides = _GRADIENT_LAYOUT[packet]  # [Note: gradient layouts on meta]
-            fmt = _layout(args[decides]) if decides is not None else torch.contiguous_format
-            first = out[0] if isinstance(out, tuple) else out
-            if isinstance(first, torch.Tensor) and not first.is_contiguous(memory_format=fmt):
-                first = torch.empty_like(first, memory_format=fmt)
-            return (first, *out[1:]) if isinstance(out, tuple) else first
+        elif packet in _KERNEL_LAYOUT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return _relaid(out, _KERNEL_LAYOUT[packet], args)  # [Note: kernel layouts on meta]
         return out
 
 
-#: Backward kernels whose input gradient takes a fixed layout: the position of the argument whose layout it
-#: takes (batch norm's input), or None for contiguous.
-_GRADIENT_LAYOUT: dict[Any, int | None] = {
-    _aten.native_layer_norm_backward: None,
-    _aten._log_softmax_backward_data: None,
-    _aten.native_batch_norm_backward: 1,
+#: Kernels whose (first) output takes another layout than their meta function gives it: "contiguous",
+#: ("format", i) for the layout argument i suggests (contiguous or channels-last), ("like", i) for the
+#: strides of argument i (an elementwise kernel, whose TensorIterator follows its first operand).
+_KERNEL_LAYOUT: dict[Any, Any] = {
+    _aten.native_layer_norm_backward: "contiguous",
+    _aten._log_softmax_backward_data: "contiguous",
+    _aten.mse_loss_backward: "contiguous",
+    _aten.native_batch_norm_backward: ("format", 1),
+    _aten.batch_norm_backward: ("format", 1),
+    _aten.native_batch_norm: ("format", 0),
+    _aten._native_batch_norm_legit: ("format", 0),
+    _aten._native_batch_norm_legit_functional: ("format", 0),
+    _aten._native_batch_norm_legit_no_training: ("format", 0),
+    _aten._batch_norm_with_update: ("format", 0),
+    _aten._batch_norm_no_update: ("format", 0),
+    _aten.softplus_backward: ("like", 0),
+    _aten.hardswish_backward: ("like", 0),
+    _aten.elu_backward: ("like", 0),
 }
+
+
+def _relaid(out: Any, rule: Any, args: tuple[Any, ...]) -> Any:
+    """``out`` with its first tensor in the layout ``rule`` gives (an entry of :data:`_KERNEL_LAYOUT`)."""
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(first, torch.Tensor):
+        return out
+    if rule == "contiguous" or rule[0] == "format":
+        fmt = torch.contiguous_format if rule == "contiguous" else _layout(args[rule[1]])
+        if not first.is_contiguous(memory_format=fmt):
+            first = torch.empty_like(first, memory_format=fmt)
+    else:
+        like = args[rule[1]]
+        if isinstance(like, torch.Tensor) and like.shape == first.shape and like.stride() != first.stride():
+            first = torch.empty_like(like, dtype=first.dtype)  # dense: its strides kept
+    return (first, *out[1:]) if isinstance(out, (tuple, list)) else first
 
 
 def _layout(x: Any) -> torch.memory_format:

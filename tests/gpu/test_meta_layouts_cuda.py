@@ -1,13 +1,13 @@
 """Meta convolutions under MetaLayouts lay out their outputs and gradients as cuDNN does on this GPU
-([Note: channels-last on meta] in capture/meta_layouts.py), and three backward kernels' input gradients as
-CUDA's kernels do ([Note: gradient layouts on meta])."""
+([Note: channels-last on meta] in capture/meta_layouts.py), and other kernels' outputs as
+CUDA's kernels do ([Note: kernel layouts on meta])."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.unit.test_meta_layouts import GRADIENT_CASES, conv_layouts, gradient_strides
+from tests.unit.test_meta_layouts import LAYOUT_CASES, conv_layouts, kernel_strides
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +25,6 @@ def test_meta_convolutions_match_cudnn(dtype: torch.dtype, dims: int, which: str
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", list(GRADIENT_CASES))
-def test_meta_input_gradients_match_cuda(dtype: torch.dtype, case: str) -> None:
-    assert gradient_strides("meta", case, dtype) == gradient_strides("cuda", case, dtype), (case, dtype)
-
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_meta_kernels_lay_out_their_outputs_as_cudas_do(dtype: torch.dtype, case: str) -> None:
+    assert kernel_strides("meta", case, dtype) == kernel_strides("cuda", case, dtype), (case, dtype)

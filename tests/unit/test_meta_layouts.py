@@ -1,8 +1,10 @@
 """Meta convolutions return the layout a GPU's (and the CPU's) return, so captures and estimates of a
 channels-last model stay channels-last ([Note: channels-last on meta] in capture/meta_layouts.py), and three
-backward kernels' input gradients take the kernels' layouts ([Note: gradient layouts on meta])."""
+kernels' outputs take the kernels' layouts ([Note: kernel layouts on meta])."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -56,33 +58,41 @@ def _batch_norm(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.batch_norm(x, None, None, training=True)
 
 
-#: Operations whose backward's input gradient has a fixed layout, each with its input's shape.
-GRADIENT_CASES = {
-    "layer_norm": ((4, 8, 16), lambda x: nn.functional.layer_norm(x, (16,))),
-    "log_softmax": ((4, 8, 16), lambda x: x.log_softmax(-1)),
-    "batch_norm": ((4, 16, 8), lambda x: _batch_norm(x)),
-    "batch_norm channels-last": ((2, 16, 4, 4), lambda x: _batch_norm(x)),
+#: Operations whose kernels lay out an output otherwise than meta (see [Note: kernel layouts on meta]):
+#: the input's shape, whether it is transposed (non-contiguous), and the forward.
+LAYOUT_CASES = {
+    "layer_norm": ((4, 8, 16), False, lambda x: nn.functional.layer_norm(x, (16,))),
+    "log_softmax": ((4, 8, 16), False, lambda x: x.log_softmax(-1)),
+    "batch_norm": ((4, 16, 8), False, _batch_norm),
+    "batch_norm channels-last": ((2, 16, 4, 4), False, _batch_norm),
+    "batch_norm transposed": ((2, 16, 4, 4), True, _batch_norm),
+    "mse_loss": ((4, 8, 16), True, lambda x: nn.functional.mse_loss(x, 0 * x.detach(), reduction="none")),
+    "softplus": ((4, 8, 16), True, nn.functional.softplus),
+    "hardswish": ((4, 8, 16), True, nn.functional.hardswish),
+    "elu": ((4, 8, 16), True, nn.functional.elu),
 }
 
 
-def gradient_strides(device: str, case: str, dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
-    """The strides of the input gradient ``case``'s backward kernel returns on ``device`` for an incoming
-    gradient of permuted strides (as after a permute in the forward); under :class:`MetaLayouts`."""
-    shape, forward = GRADIENT_CASES[case]
+def kernel_strides(device: str, case: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """The strides of ``case``'s output and of the input gradient its backward returns on ``device``, for an
+    incoming gradient of permuted strides (as after a permute in the forward); under :class:`MetaLayouts`."""
+    shape, transposed, forward = LAYOUT_CASES[case]
     x = torch.randn(*shape, device=device, dtype=dtype)
     if case.endswith("channels-last"):
         x = x.to(memory_format=torch.channels_last)
+    if transposed:
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     x.requires_grad_(True)
     with MetaLayouts():
         y = forward(x)
         g = torch.ones(*reversed(y.shape), device=device, dtype=dtype).permute(*reversed(range(y.dim())))
         (grad,) = torch.autograd.grad(y, x, g)  # as the kernel returns it
-    return tuple(grad.stride())
+    return y.stride(), grad.stride()
 
 
-@pytest.mark.parametrize("case", list(GRADIENT_CASES))
-def test_meta_input_gradients_take_the_kernels_layouts(case: str) -> None:
-    assert gradient_strides("meta", case) == gradient_strides("cpu", case)
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_meta_kernels_lay_out_their_outputs_as_the_cpus_do(case: str) -> None:
+    assert kernel_strides("meta", case) == kernel_strides("cpu", case)
 
 
 class ConvNet(nn.Module):
