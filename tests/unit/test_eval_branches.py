@@ -124,6 +124,22 @@ def test_hugging_face_drop_path_is_found_and_attention_dropout_follows_the_mode(
     torch.testing.assert_close(got["logits"], roberta(**inputs).logits)  # was dropped at random
 
 
+@pytest.mark.parametrize("name", ["qwen2", "bart"])
+def test_hugging_face_checkpointing_keeps_a_cache_in_evaluation_only_and_is_followed(name: str) -> None:
+    """With ``gradient_checkpointing_enable()``, Hugging Face turns the cache off in training only: the two
+    graphs differ (the cache's updates), and evaluation runs its own programs, equal to eager evaluation."""
+    hf = pytest.importorskip("tests.hf_architectures")
+    torch.manual_seed(0)
+    model, inputs = hf.build(name, "cpu", dropout=True), hf.inputs(name, "cpu")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    captured = capture(model, inputs, check_eval=True)
+    assert captured.eval_branches and captured.evaluates
+    model.eval()
+    with torch.no_grad():
+        got, want = run_stages(captured, 3, *inputs.values()), model(**inputs)
+    torch.testing.assert_close(got["logits"], want.logits, rtol=0, atol=0)
+
+
 class Lit(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
