@@ -15,10 +15,11 @@ hooks, whose blocks run the forward's Python at every step. Module hooks freeze 
 in turn (the path a parent's forward took at capture is the path the stages take), so a draw or a reseed
 there makes that parent one block, or refuses the root. Either way :func:`capture` restores the states
 (:func:`keep_host_random`), so capturing leaves the user's random streams as it found them. A generator
-kept in a global variable is seen where a module's ``forward`` names it, and a reseed capture cannot record
+kept in a global variable is seen where a module's ``forward`` names it (or a function or method it calls,
+two calls deep), and a reseed capture cannot record
 (a function imported by name, ``from torch import manual_seed``, or a generator's own ``manual_seed``) by
 torch's initial seed, which every reseed sets. Not seen: a
-global generator only a helper function names, and a reseed to the seed already in use.
+global generator named deeper than that, and a reseed to the seed already in use.
 """
 
 from __future__ import annotations
@@ -127,13 +128,29 @@ def find_generators(module: nn.Module) -> list[tuple[str, Any]]:
                 if is_generator(candidate) and id(candidate) not in found:
                     found[id(candidate)] = (f"{fqn + '.' if fqn else ''}{name}{suffix}", candidate)
     for cls in dict.fromkeys(type(sub) for sub in module.modules()):
-        forward = getattr(cls.forward, "__code__", None)
-        scope = getattr(cls.forward, "__globals__", {})
-        for name in forward.co_names if forward is not None else ():
-            value = scope.get(name)
+        for name, value in _globals_named(cls):
             if is_generator(value) and id(value) not in found:
                 found[id(value)] = (f"{name} (a global of {cls.__module__})", value)
     return list(found.values())
+
+
+def _globals_named(cls: type, depth: int = 2) -> Iterator[tuple[str, Any]]:
+    """The global variables ``cls.forward`` names, and those the functions and methods it names name in
+    turn (``depth`` calls deep): where a generator kept in a global variable would be drawn from."""
+    seen: set[int] = set()
+    todo = [(getattr(cls, "forward", None), depth)]
+    while todo:
+        function, left = todo.pop()
+        code = getattr(function, "__code__", None)
+        if code is None or id(code) in seen:
+            continue
+        seen.add(id(code))
+        scope = getattr(function, "__globals__", {})
+        for name in code.co_names:
+            value = scope.get(name, getattr(cls, name, None))
+            yield name, value
+            if left and isinstance(value, (types.FunctionType, types.MethodType)):
+                todo.append((value, left - 1))
 
 
 class HostRandom:

@@ -215,6 +215,10 @@ def test_a_reseed_between_submodules_is_refused_with_the_fix() -> None:
         capture(Glue(), torch.randn(3, 4))
 
 
+def _coin() -> float:
+    return GLOBAL_RNG.random()
+
+
 class GlobalDraw(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -224,9 +228,16 @@ class GlobalDraw(nn.Module):
         return x if GLOBAL_RNG.random() < 0.5 else x + self.layer(x)
 
 
-def test_a_generator_in_a_global_variable_the_forward_names_is_not_frozen() -> None:
+class HelperDraw(GlobalDraw):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the generator's name is in _coin only
+        return x if _coin() < 0.5 else x + self.layer(x)
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["in forward", "in a helper"])
+def test_a_generator_in_a_global_variable_the_forward_names_is_not_frozen(helper: bool) -> None:
     state = GLOBAL_RNG.getstate()
-    captured = capture(nn.Sequential(nn.Linear(4, 4), GlobalDraw(), nn.Linear(4, 2)), torch.randn(3, 4))
+    model = nn.Sequential(nn.Linear(4, 4), HelperDraw() if helper else GlobalDraw(), nn.Linear(4, 2))
+    captured = capture(model, torch.randn(3, 4))
     assert captured.method == "modules"
     said = "GLOBAL_RNG (a global of tests.unit.test_host_random)"
     assert any(said in note and "freeze" in note for note in captured.notes), captured.notes
