@@ -1,5 +1,5 @@
 """The blocks' evaluation-mode programs: the forward exported in evaluation mode, cut at the training graph's
-blocks, for the blocks whose modules branch on the mode ([Note: Python branches on the mode] in modes.py)."""
+blocks, for a model whose forward branches on the mode ([Note: Python branches on the mode] in modes.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch import fx, nn
 
 from lightning_autopart.capture.causal import fold_causal_masks
+from lightning_autopart.capture.modes import innermost_module
 from lightning_autopart.capture.portable import ModeSwitch
 from lightning_autopart.capture.programs import Interface, group_members, lift_inputs, split_programs
 
@@ -50,8 +51,9 @@ def eval_programs(
     nodes_of = group_members(group, ops, len(train[3]))
     outputs = list(next(n for n in reversed(ep.graph.nodes) if n.op == "output").args[0])
     interface, programs = split_programs(nodes_of, attrs, outputs, home, ModeSwitch(module))
-    _reorder_inputs(_refs(user_inputs, interface), interface, programs, _wiring(*train[:3])[0])
-    if _wiring(user_inputs, interface, outputs) != _wiring(*train[:3]):
+    wanted = _wiring(*train[:3])
+    _reorder_inputs(_refs(user_inputs, interface), interface, programs, wanted[0])
+    if _wiring(user_inputs, interface, outputs) != wanted:
         return "its blocks exchange other values than in training"
     return list(programs)
 
@@ -61,7 +63,7 @@ def _occurrences(ops: list[fx.Node]) -> list[tuple[str, int]]:
     seen: dict[str, int] = {}
     keys = []
     for node in ops:
-        fqn = _innermost(node)
+        fqn = innermost_module(node)
         keys.append((fqn, seen.get(fqn, 0)))
         seen[fqn] = seen.get(fqn, 0) + 1
     return keys
@@ -69,11 +71,6 @@ def _occurrences(ops: list[fx.Node]) -> list[tuple[str, int]]:
 
 def _groups(nodes_of: list[list[fx.Node]]) -> list[int]:
     return [k for k, nodes in enumerate(nodes_of) for _ in nodes]
-
-
-def _innermost(node: fx.Node) -> str:
-    stack = list(node.meta.get("nn_module_stack", {}).values())
-    return stack[-1][0] if stack else ""
 
 
 def _refs(user_inputs: list[fx.Node], interface: list[Interface]) -> dict[fx.Node, Any]:
@@ -97,10 +94,9 @@ def _reorder_inputs(
 ) -> None:
     """Give each program the inputs of the training block in its order, where it reads the same ones in
     another (``x + f(x)`` written ``f(x) + x`` by a branch), in place."""
-    for k, ((inputs, _), program) in enumerate(zip(interface, programs, strict=True)):
-        order = wanted[k][0] if k < len(wanted) else None
+    for (inputs, _), program, (order, _) in zip(interface, programs, wanted, strict=True):
         got = [ref.get(a) for a in inputs]
-        if order is None or got == order or sorted(map(repr, got)) != sorted(map(repr, order)):
+        if got == order or sorted(map(repr, got)) != sorted(map(repr, order)):
             continue
         position = {r: i for i, r in enumerate(got)}
         inputs[:] = [inputs[position[r]] for r in order]

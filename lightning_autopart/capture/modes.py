@@ -34,7 +34,9 @@ _SDPA_DROPOUT = 4  # position of its dropout_p
 _CONTIGUOUS = torch.ops.aten.contiguous.default
 _CHECK = torch.ops.aten._assert_tensor_metadata.default
 
-__all__ = ["branch_mode", "eval_branches", "evaluating", "mixed_modes", "modules_of", "signature"]
+__all__ = [
+    "branch_mode", "eval_branches", "evaluating", "innermost_module", "mixed_modes", "modules_of", "signature",
+]  # fmt: skip
 
 _Signature = list[tuple[str, str, tuple[Any, ...]]]  # (innermost module FQN, op, normalised arguments)
 
@@ -60,8 +62,7 @@ def signature(graph: fx.Graph, training: bool) -> _Signature:
             if node.target is _CONTIGUOUS:  # a copy only where the layout needs one, which kernels decide
                 made_by[node] = _norm(node.args[0], made_by)
                 continue
-            stack = list(node.meta.get("nn_module_stack", {}).values())
-            fqn = stack[-1][0] if stack else ""
+            fqn = innermost_module(node)
             made_by[node] = ("%", fqn)
             named = _named(node, made_by)
             position = MODE_ARGS.get(node.target)
@@ -154,14 +155,20 @@ def eval_branches(module: nn.Module, train: _Signature, export: Callable[[], Any
     for fqn, *op in other:
         by_module.setdefault(fqn, []).append(("eval", op))
     differ = [fqn for fqn, ops in by_module.items() if _side(ops, "train") != _side(ops, "eval")]
-    return _innermost(differ) or [type(module).__name__], ep
+    return _innermost_of(differ) or [type(module).__name__], ep
 
 
 def _side(ops: list[Any], mode: str) -> list[Any]:
     return [op for m, op in ops if m == mode]
 
 
-def _innermost(fqns: list[str]) -> list[str]:
+def innermost_module(node: fx.Node) -> str:
+    """The FQN of the innermost module whose forward ran ``node`` ("" for the root's own operations)."""
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    return str(stack[-1][0]) if stack else ""
+
+
+def _innermost_of(fqns: list[str]) -> list[str]:
     """``fqns`` without those that hold another of them (a parent differs with its child), sorted."""
     return sorted(f for f in fqns if not any(o != f and (f == "" or o.startswith(f + ".")) for o in fqns))
 
