@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import re
 import traceback
+import warnings
 from typing import Any
 
 import torch
 
 from lightning_autopart.capture.graph import Block
 
-__all__ = ["failure_hint"]
+__all__ = ["failure_hint", "warn_opaque"]
 
 #: aten ops whose result depends on tensor values read on the host (none runs on meta tensors).
 _HOST_READS = frozenset(
@@ -154,3 +155,16 @@ def _short(path: str) -> str:
     """``path`` relative to the current directory when it lies inside it."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
+
+
+def warn_opaque(ops: list[str]) -> None:
+    """Say which custom ops estimate mode priced with no FLOP formula (their math is invisible to the counter):
+    their time is only the bytes they move, so a plan may price them low; measure mode times them."""
+    named = ", ".join(ops[:5]) + (f" and {len(ops) - 5} more" if len(ops) > 5 else "")
+    warnings.warn(
+        f"estimate mode priced {named} (custom ops with no FLOP formula, whose math autopart cannot see) "
+        "by the bytes they move alone, so the plan's times may be low; plan with profile='measure' on "
+        "the target device to time them",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,9 +13,10 @@ import torch
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.devices import DeviceSpec, device_spec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.errors import ConfigError, ProfileError
+from lightning_autopart.profile.autocast_cuts import with_autocast_dtypes
 from lightning_autopart.profile.calibrate import calibrate_cpu
 from lightning_autopart.profile.estimate import estimate_block, estimate_curve
-from lightning_autopart.profile.hints import failure_hint
+from lightning_autopart.profile.hints import failure_hint, warn_opaque
 from lightning_autopart.profile.measure import BlockFailed, measure_blocks
 from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
@@ -150,6 +150,11 @@ def profile(
     precision = parse_precision(dtype, captured.module)
     indices = _block_indices(blocks, captured.num_blocks)
     memory, tied = account_memory(captured, precision.param, factor)
+    cut_dtype, cut_note = precision.compute, None  # the dtype cuts are held in (None: each one's own)
+    if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
+        captured, cut_note = with_autocast_dtypes(captured, precision.compute)
+        twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute)[0]
+        cut_dtype = None
 
     meta: dict[str, Any] = {
         "num_blocks": captured.num_blocks,
@@ -160,6 +165,7 @@ def profile(
         "torch": torch.__version__,
         "tf32_matmuls": tf32_matmuls(),  # float32 products on TF32 tensor cores (estimates assume what torch does)
         "tf32_convolutions": tf32_convolutions(),
+        **({"cut_dtypes": cut_note} if cut_note else {}),
     }
     rng_devices: list[torch.device] = []
     if mode == "measure":
@@ -207,12 +213,12 @@ def profile(
                     f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
                     f"{type(err).__name__}: {err}{hint}"
                 ) from err
-            cut_bytes = sum(scaled_nbytes(t, precision.compute) for t in captured.cuts[index])
+            cut_bytes = sum(scaled_nbytes(t, cut_dtype) for t in captured.cuts[index])
             own = memory[index]
             step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
             record = _record(block.name, block.modules, own, cost, cut_bytes, step_us)
             if twin is not None:
-                record = _with_curve(record, captured, twin, index, precision, roofline, sizes)
+                record = _with_curve(record, captured, twin, index, precision, roofline, sizes, cut_dtype)
             records.append(record)
             measured_names[index] = cost.saved_names
             per_block.append(
@@ -233,8 +239,8 @@ def profile(
     if opaque:
         meta["opaque_ops"] = opaque
         if mode == "estimate":
-            _warn_opaque(opaque)
-    records = _shared_saves(records, indices, captured, measured_names, precision)
+            warn_opaque(opaque)
+    records = _shared_saves(records, indices, captured, measured_names, cut_dtype)
     if twin is not None:
         meta["curve_sizes"] = sorted(set(sizes))
 
@@ -350,7 +356,7 @@ def _shared_saves(
     indices: list[int],
     captured: CapturedModel,
     names: dict[int, tuple[frozenset[str], frozenset[str]]],
-    precision: Precision,
+    cut_dtype: torch.dtype | None,
 ) -> list[BlockProfile]:
     """``records`` with ``saved_by_previous`` set where block k saves an input block k-1 saves as its output
     (see [Note: saved twice] in records.py); 0 where block k-1 was not profiled here."""
@@ -359,8 +365,8 @@ def _shared_saves(
         if k > 0 and k - 1 in names and k in names:
             both = names[k][0] & names[k - 1][1]
             cut = captured.cuts[k - 1]
-            total = sum(scaled_nbytes(t, precision.compute) for t in cut)
-            shared = sum(scaled_nbytes(t, precision.compute) for t in cut if t.name in both)
+            total = sum(scaled_nbytes(t, cut_dtype) for t in cut)
+            shared = sum(scaled_nbytes(t, cut_dtype) for t in cut if t.name in both)
             if total > 0 and shared > 0:
                 record = dataclasses.replace(record, saved_by_previous=min(1.0, shared / total))
         out.append(record)
@@ -375,9 +381,10 @@ def _with_curve(
     precision: Precision,
     roofline: Roofline,
     sizes: Sequence[int],
+    cut_dtype: torch.dtype | None,
 ) -> BlockProfile:
     """``record`` with the cost curve of its block from two captures, its figures those of the largest size."""
-    cuts = tuple(sum(scaled_nbytes(t, precision.compute) for t in m.cuts[index]) for m in (captured, twin))
+    cuts = tuple(sum(scaled_nbytes(t, cut_dtype) for t in m.cuts[index]) for m in (captured, twin))
     curve = estimate_curve(
         captured.blocks[index],
         twin.blocks[index],
@@ -389,15 +396,3 @@ def _with_curve(
     )
     return with_curve(record, curve)
 
-
-def _warn_opaque(ops: list[str]) -> None:
-    """Say which custom ops estimate mode priced with no FLOP formula (their math is invisible to the counter):
-    their time is only the bytes they move, so a plan may price them low; measure mode times them."""
-    named = ", ".join(ops[:5]) + (f" and {len(ops) - 5} more" if len(ops) > 5 else "")
-    warnings.warn(
-        f"estimate mode priced {named} (custom ops with no FLOP formula, whose math autopart cannot see) "
-        "by the bytes they move alone, so the plan's times may be low; plan with profile='measure' on "
-        "the target device to time them",
-        UserWarning,
-        stacklevel=3,
-    )

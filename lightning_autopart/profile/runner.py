@@ -99,7 +99,8 @@ class Runner:
         self.device = device
         self._original = block.program
         self.program: nn.Module = copy_program(block.program, device, precision.param)
-        self.args = make_args(block, device, precision.param)
+        # "-mixed": inputs in the dtypes autocast gives them ([Note: cut dtypes under autocast])
+        self.args = make_args(block, device, None if precision.mixed else precision.param)
         #: Context of every forward: autocast for a "-mixed" precision, or what the caller sets.
         self.context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         if precision.mixed and precision.compute is not None and device.type != "meta":
