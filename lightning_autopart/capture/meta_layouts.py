@@ -12,9 +12,11 @@ must be entered before the modes that count or meter operations, so it sits near
 re-layout (free on meta: no data) is seen by none of them.
 
 [Note: kernel layouts on meta] Some kernels lay out their output otherwise than their meta functions do.
-Layer norm's and log-softmax's backward return the input's gradient contiguous, and batch norm's (forward
-and backward) in the input's own layout (channels-last or contiguous), on the CPU and on CUDA alike, where
-meta follows the incoming gradient's strides. After a permute (SegFormer's ``(B, C, H, W)`` to
+Layer norm's and log-softmax's backward return the input's gradient contiguous, and batch norm's backward
+in the input's own layout (channels-last or contiguous), on the CPU and on CUDA alike, where meta follows the
+incoming gradient's strides. Batch norm's forward on CUDA keeps its input's strides (``empty_like``), also a
+transposed input's, where the CPU's lays it out contiguous or channels-last; meta follows CUDA, where users
+train (an H200 showed the difference). After a permute (SegFormer's ``(B, C, H, W)`` to
 ``(B, H*W, C)``) the next view of that gradient then copied it on meta only: estimate mode priced 64 KB more
 transient memory in SegFormer's first stage than its CPU run measured. A few elementwise backward kernels
 (softplus's, hardswish's, ELU's) follow the incoming gradient where their meta functions follow the input.
@@ -93,19 +95,20 @@ class MetaLayouts(TorchDispatchMode):
 
 #: Kernels whose (first) output takes another layout than their meta function gives it: "contiguous",
 #: ("format", i) for the layout argument i suggests (contiguous or channels-last), ("like", i) for the
-#: strides of argument i (an elementwise kernel, whose TensorIterator follows its first operand).
+#: strides of argument i (an elementwise kernel, whose TensorIterator follows its first operand, or CUDA's
+#: batch norm, which allocates its output ``empty_like`` its input).
 _KERNEL_LAYOUT: dict[Any, Any] = {
     _aten.native_layer_norm_backward: "contiguous",
     _aten._log_softmax_backward_data: "contiguous",
     _aten.mse_loss_backward: "contiguous",
     _aten.native_batch_norm_backward: ("format", 1),
     _aten.batch_norm_backward: ("format", 1),
-    _aten.native_batch_norm: ("format", 0),
-    _aten._native_batch_norm_legit: ("format", 0),
-    _aten._native_batch_norm_legit_functional: ("format", 0),
-    _aten._native_batch_norm_legit_no_training: ("format", 0),
-    _aten._batch_norm_with_update: ("format", 0),
-    _aten._batch_norm_no_update: ("format", 0),
+    _aten.native_batch_norm: ("like", 0),
+    _aten._native_batch_norm_legit: ("like", 0),
+    _aten._native_batch_norm_legit_functional: ("like", 0),
+    _aten._native_batch_norm_legit_no_training: ("like", 0),
+    _aten._batch_norm_with_update: ("like", 0),
+    _aten._batch_norm_no_update: ("like", 0),
     _aten.softplus_backward: ("like", 0),
     _aten.hardswish_backward: ("like", 0),
     _aten.elu_backward: ("like", 0),
