@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> None:
             run_config=RunConfig(name="autopart", storage_path=args.storage),
         )
         result = trainer.fit()
-        print(
-            f"ray result: metrics {result.metrics}, checkpoint {result.checkpoint.path if result.checkpoint else None}"
-        )
+        path = result.checkpoint.path if result.checkpoint else None
+        # one write, newline included: Ray's own processes write to the same stream between two writes
+        sys.stdout.write(f"ray result: metrics {result.metrics}, checkpoint {path}\n")
     finally:
         ray.shutdown()
     sys.stdout.flush()
