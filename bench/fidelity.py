@@ -23,6 +23,10 @@ does not fit still gives its prediction. Ratios are predicted / measured; the wo
 ``--modes measure-serial`` adds measure mode timed as before the spin kernels of [Note: host and device]
 (``cuda_clock.SPIN = False``: events only, host time not apart), to compare the two on one machine.
 
+``--autopart`` also trains each case with ``AutoPartitionStrategy(num_stages=1, micro_batches=1)`` (measure
+mode) and prints its step against its own plan's prediction and against plain Lightning's step: where a step
+is host-bound, the captured graph autopart runs and the eager model plain Lightning runs differ in host time.
+
 The driver prints a markdown table (device, torch and Lightning versions in its header) and the worst cases;
 ``--json`` also writes every step time and every prediction's parts.
 """
@@ -52,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_vs_plain import POOL, _Batches, _device_name, warm_up_cuda  # noqa: E402
-from plain_runs import FidelityCase, free_device, measure_run, trace_ops  # noqa: E402
+from plain_runs import FidelityCase, free_device, measure_autopart, measure_run, trace_ops  # noqa: E402
 
 from examples.data import SyntheticImages, SyntheticRegression, SyntheticTokens  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
@@ -351,6 +355,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, --tiny 2)")
     parser.add_argument("--json", type=Path, default=None, help="also write every step time and prediction")
     parser.add_argument("--ops", action="store_true", help="also trace device time per op (in the json)")
+    parser.add_argument("--autopart", action="store_true", help="also time autopart's one-stage step")
     parser.add_argument("--predict-only", metavar="SPEC", default=None,
                         help="no training: print estimate mode's predictions on device spec SPEC (any machine)")
     args = parser.parse_args(argv)
@@ -390,6 +395,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             row[mode] = p
             print(f"{case.name} {mode}: time x{_fmt(p['time_ratio'])}, peak x{_fmt(p['peak_ratio'])}",
                   file=sys.stderr)  # fmt: skip
+        if args.autopart:
+            a = measure_autopart(case, data, accelerator=args.accelerator, warmup=warmup, steps=steps)
+            a["time_ratio"] = _ratio(a["predicted_ms"], a["step_ms"])
+            a["vs_plain"], row["autopart"] = a["step_ms"] / measured["step_ms"], a
+            print(f"{case.name} autopart: {a['step_ms']:.2f} ms, predicted x{_fmt(a['time_ratio'])}, "
+                  f"plain x{_fmt(a['vs_plain'])}", file=sys.stderr)  # fmt: skip
         if args.ops:
             row["ops"] = trace_ops(case, data, accelerator=args.accelerator, warmup=warmup, steps=3)
         rows.append(row)

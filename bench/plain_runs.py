@@ -3,6 +3,8 @@
 ``measure_run`` trains a case with ``strategy="auto"`` and reads its median step, the forward / backward /
 optimizer phases between Lightning's hooks (CUDA events on a GPU) and the peak memory; ``trace_ops`` traces the
 device time per aten op in a separate fit, so the profiler's overhead stays out of the measured step.
+``measure_autopart`` trains it with autopart's one-stage plan instead and reads its step beside the plan's own
+prediction: the captured graph's host time, not the eager model's, is what that prediction prices.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_vs_plain import StepClock
 
-__all__ = ["FidelityCase", "PhaseClock", "free_device", "measure_run", "trace_ops"]
+__all__ = ["FidelityCase", "PhaseClock", "free_device", "measure_autopart", "measure_run", "trace_ops"]
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,16 @@ def free_device(cuda: bool) -> None:
 
 
 def _fit_plain(
-    case: FidelityCase, data: Dataset[Any], accelerator: str, steps: int, callback: L.Callback
-) -> None:
-    """Train ``case`` (built after seeding 0, with its optimizer) with plain Lightning on one device for ``steps``
-    steps, ``callback`` watching; everything freed before and after."""
+    case: FidelityCase,
+    data: Dataset[Any],
+    accelerator: str,
+    steps: int,
+    callback: L.Callback,
+    strategy: Any = "auto",
+) -> Any:
+    """Train ``case`` (built after seeding 0, with its optimizer) on one device for ``steps`` steps,
+    ``callback`` watching, with plain Lightning (or ``strategy``); everything freed before and after.
+    Returns the strategy's plan, if it made one."""
     cuda = accelerator == "gpu"
     free_device(cuda)
     torch.manual_seed(0)
@@ -73,7 +81,7 @@ def _fit_plain(
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=1,
-        strategy="auto",
+        strategy=strategy,
         precision=case.precision,  # type: ignore[arg-type]
         max_steps=steps,
         use_distributed_sampler=False,
@@ -86,8 +94,10 @@ def _fit_plain(
         callbacks=[callback],
     )
     trainer.fit(model, DataLoader(data, batch_size=None, shuffle=False))
+    plan = getattr(trainer.strategy, "plan", None)
     del trainer, model
     free_device(cuda)
+    return plan
 
 
 class PhaseClock(StepClock):
@@ -159,6 +169,35 @@ def measure_run(
     peak = clock.peak if cuda else None
     return {"step_ms": statistics.median(seconds) * 1e3, "peak_bytes": peak, "before_bytes": before,
             "steps_s": seconds, "phases_ms": clock.phase_ms()}  # fmt: skip
+
+
+def measure_autopart(
+    case: FidelityCase,
+    data: Dataset[Any],
+    *,
+    accelerator: str,
+    warmup: int,
+    steps: int,
+    profile: str = "measure",
+) -> dict[str, Any]:
+    """Train ``case`` with autopart's one-stage, one-micro-batch plan (profiled in ``profile`` mode): its
+    median step (ms), raw peak bytes (GPU) and every step time, with the plan's predicted step (ms) and
+    peak bytes."""
+    from lightning_autopart import AutoPartitionStrategy
+
+    cuda = accelerator == "gpu"
+    free_device(cuda)
+    before = torch.cuda.memory_allocated() if cuda else 0
+    clock = StepClock(warmup, steps, cuda)
+    strategy = AutoPartitionStrategy(num_stages=1, micro_batches=1, profile=profile)
+    plan = _fit_plain(case, data, accelerator, warmup + steps + 1, clock, strategy)
+    seconds = clock.step_seconds()
+    if len(seconds) != steps or plan is None:
+        got = f"timed {len(seconds)} autopart steps of {steps}, plan made: {plan is not None}"
+        raise RuntimeError(f"{case.name}: {got}")
+    return {"step_ms": statistics.median(seconds) * 1e3, "peak_bytes": clock.peak if cuda else None,
+            "before_bytes": before, "steps_s": seconds, "predicted_ms": plan.prediction.step_us / 1e3,
+            "predicted_peak_bytes": plan.prediction.peak_memory_bytes}  # fmt: skip
 
 
 class _OpTrace(L.Callback):

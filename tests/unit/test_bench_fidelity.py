@@ -19,7 +19,7 @@ CASE = "net5000x24-b512-sgd-32"
 def test_tiny_case_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fidelity.json"
     argv = ["--tiny", "--accelerator", "cpu", "--cases", CASE, "--steps", "3", "--warmup", "1"]
-    rows = fidelity.main([*argv, "--modes", *fidelity.CHOICES, "--json", str(out)])
+    rows = fidelity.main([*argv, "--modes", *fidelity.CHOICES, "--json", str(out), "--autopart"])
     table = capsys.readouterr().out
 
     assert [r["case"] for r in rows] == [CASE]
@@ -37,6 +37,9 @@ def test_tiny_case_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert p["loss_error"] is None
     assert row["estimate"]["on_meta"] and not row["measure"]["on_meta"]
     assert row["measure-serial"]["step_ms"] > 0 and "measure-serial time ratio" in lines[0]
+    auto = row["autopart"]  # autopart's own one-stage step, against its plan and against plain Lightning
+    assert len(auto["steps_s"]) == 3 and auto["predicted_ms"] > 0 and auto["predicted_peak_bytes"] > 0
+    assert math.isfinite(auto["time_ratio"]) and math.isfinite(auto["vs_plain"])
     saved = json.loads(out.read_text())
     assert saved["rows"][0]["case"] == CASE and "header" in saved
 
