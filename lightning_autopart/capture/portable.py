@@ -1,4 +1,5 @@
-"""Captured programs that run anywhere and in either mode: devices and train/eval flags are read at run time.
+"""Captured programs that run anywhere and in either mode: devices and train/eval flags are read at run time
+(and fill values that stand for a dtype's extreme, under autocast: [Note: dtype extremes] in extremes.py).
 
 [Note: portable programs] torch.export records the device of every tensor the forward creates
 (``torch.arange(t, device=x.device)``, a causal mask from ``torch.ones(..., device=x.device)``,
@@ -37,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+
+from lightning_autopart.capture.extremes import follow_extremes
 
 __all__ = [
     "MODES_ATTRIBUTE",
@@ -101,6 +104,7 @@ def make_portable(program: fx.GraphModule, home: torch.device | None, switch: Mo
         if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
             program.graph.erase_node(node)
     _follow_device(program, home)
+    follow_extremes(program.graph)
     setattr(program, HOME_ATTRIBUTE, home)
     setattr(program, MODES_ATTRIBUTE, switch)  # before the graph reads it (fx checks get_attr targets)
     if not _follow_mode(program.graph, switch):

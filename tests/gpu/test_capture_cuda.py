@@ -1,6 +1,7 @@
 """Capture's checks on a GPU: custom autograd Functions are checked on CUDA inputs, and checking one leaves
 the CUDA generators as they were ([Note: custom autograd functions]); a stage captured on the CPU and moved
-to the GPU runs its evaluation-mode program there ([Note: Python branches on the mode])."""
+to the GPU runs its evaluation-mode program there ([Note: Python branches on the mode]), and fills masked
+scores under CUDA's autocast as the eager model does ([Note: dtype extremes])."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.eager import assert_grads_equal_eager
 from tests.idioms import Reverse
 from tests.unit.test_autograd_functions import Applies, Square
 from tests.unit.test_eval_branches import Residual, _model
+from tests.unit.test_extremes import MaskedAttention, _inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,3 +56,15 @@ def test_a_stage_moved_to_cuda_runs_its_evaluation_program_there() -> None:
     stage(x.cuda())[0].sum().backward()  # and training runs the training program, on the GPU
     assert model[3].layer.weight.grad is not None and model[3].layer.weight.grad.device.type == "cuda"
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_stage_fills_masked_scores_under_cuda_autocast_as_eager_does(dtype: torch.dtype) -> None:
+    model, (x, mask) = MaskedAttention(use_where=False), _inputs()
+    captured = capture(model, (x, mask))  # on the CPU, in float32
+    stage = build_stage_module(captured, 0, captured.num_blocks)
+    move_in_place(stage, torch.device("cuda"))
+    x, mask = x.cuda(), mask.cuda()
+    with torch.autocast("cuda", dtype=dtype):
+        got, want = stage(x, mask)[0], model(x, mask)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
