@@ -13,7 +13,6 @@ gradients. Both runs start from the same seeds (wav2vec2 draws its SpecAugment m
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import numpy
@@ -22,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.hf_sweep import SWEEP
+from bench.hf_sweep import SWEEP, sweep_report
 from lightning_autopart.capture import capture
 from tests.eager import run_stages
 from tests.hf_architectures import ARCHITECTURES, build, inputs
@@ -67,17 +66,7 @@ def check(name: str, dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
 
 
 def main(names: list[str]) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    counts: dict[str, int] = {}
-    for name in names or [*ARCHITECTURES, *[n for n in SWEEP if n not in ARCHITECTURES]]:
-        try:
-            status, detail = check(name)
-        except Exception as error:  # reported, the sweep goes on
-            status, detail = "error", f"{type(error).__name__}: {str(error)[:160]}"
-        counts[status] = counts.get(status, 0) + 1
-        print(f"{name:18s} {status:7s} {detail}", flush=True)
-    print(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    sweep_report(check, names)
 
 
 if __name__ == "__main__":

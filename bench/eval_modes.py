@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.hf_sweep import SWEEP
+from bench.hf_sweep import SWEEP, sweep_report
 from lightning_autopart.capture import capture
 from tests.eager import run_stages
 from tests.hf_architectures import ARCHITECTURES, build, inputs
@@ -50,17 +49,7 @@ def check(name: str) -> tuple[str, str]:
 
 
 def main(names: list[str]) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    counts: dict[str, int] = {}
-    for name in names or [*ARCHITECTURES, *SWEEP]:
-        try:
-            status, detail = check(name)
-        except Exception as error:  # reported, the sweep goes on
-            status, detail = "error", f"{type(error).__name__}: {str(error)[:160]}"
-        counts[status] = counts.get(status, 0) + 1
-        print(f"{name:16s} {status:8s} {detail}", flush=True)
-    print(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    sweep_report(check, names)
 
 
 if __name__ == "__main__":

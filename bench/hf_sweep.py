@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_autopart import Cluster, plan_model
 from lightning_autopart.capture import capture
-from tests.hf_architectures import SMALL, Architecture, build, differences, inputs
+from tests.hf_architectures import ARCHITECTURES, SMALL, Architecture, build, differences, inputs
 
 __all__: list[str] = []
 
@@ -99,6 +102,23 @@ def _check(arch: Architecture) -> str:
     except Exception as error:
         said += f"; NOT profiled on the CPU: {type(error).__name__}: {str(error)[:300]}"
     return said
+
+
+def sweep_report(check: Callable[[str], tuple[str, str]], names: list[str]) -> dict[str, int]:
+    """``check`` each architecture named (default: the tier's and this sweep's), one line each, then the count
+    of each status; an architecture that raises is reported as "error" and the sweep goes on."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    counts: dict[str, int] = {}
+    for name in names or [*ARCHITECTURES, *(n for n in SWEEP if n not in ARCHITECTURES)]:
+        try:
+            status, detail = check(name)
+        except Exception as error:  # reported, the sweep goes on
+            status, detail = "error", f"{type(error).__name__}: {str(error)[:160]}"
+        counts[status] = counts.get(status, 0) + 1
+        print(f"{name:18s} {status:8s} {detail}", flush=True)
+    print(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    return counts
 
 
 def main(names: list[str]) -> None:
