@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_autopart.capture.graph import Block, CapturedModel, TensorInfo
 from lightning_autopart.profile.autocast_meta import MetaAutocast
+from lightning_autopart.profile.precision import dtype_name, scaled_nbytes
 from lightning_autopart.profile.sandbox import copy_program, release_program
 
 __all__ = ["autocast_dtypes", "with_autocast_dtypes"]
@@ -86,15 +87,12 @@ def _floating(info: TensorInfo) -> bool:
 
 def _infos(infos: tuple[TensorInfo, ...], dtypes: dict[str, torch.dtype]) -> tuple[TensorInfo, ...]:
     """``infos`` with the floating ones named in ``dtypes`` in that dtype (bytes scaled to match)."""
-    out = []
-    for info in infos:
-        dtype = dtypes.get(info.name)
-        captured = getattr(torch, info.dtype, None)
-        if dtype is not None and isinstance(captured, torch.dtype) and captured.is_floating_point:
-            nbytes = info.nbytes // captured.itemsize * dtype.itemsize
-            info = dataclasses.replace(info, dtype=str(dtype).removeprefix("torch."), nbytes=nbytes)
-        out.append(info)
-    return tuple(out)
+    return tuple(
+        dataclasses.replace(i, dtype=dtype_name(dtypes[i.name]), nbytes=scaled_nbytes(i, dtypes[i.name]))
+        if i.name in dtypes and _floating(i)
+        else i
+        for i in infos
+    )
 
 
 def _retyped(
