@@ -54,6 +54,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from lightning_autopart.devices import DeviceSpec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.profile.gemms import CONVOLUTIONS, GROUPED, Gemm, gemms_of, relayout_bytes
+from lightning_autopart.profile.norm_passes import reread_bytes
 
 __all__: list[str] = []
 
@@ -296,9 +297,10 @@ class OpCounter(TorchDispatchMode):
     FLOPs come from ``torch.utils.flop_counter``'s registered formulas (plus CPU flash attention). An op
     without a formula that decomposes (a composite op) is counted as one kernel whose FLOPs are those of
     its decomposition, so the op count stays the number of launches. Bytes moved are the sizes of the
-    op's tensor arguments plus its outputs. Views and allocations are free: no kernel, no bytes. Matrix
-    products and convolutions also record their GEMM shapes (see [Note: GEMM waves]); with ``keep_ops``
-    every kernel is kept in :attr:`ops`.
+    op's tensor arguments plus its outputs, and what a normalization reads twice (see
+    [Note: normalization passes]). Views and allocations are free: no kernel, no bytes. Matrix products
+    and convolutions also record their GEMM shapes (see [Note: GEMM waves]); with ``keep_ops`` every kernel
+    is kept in :attr:`ops`.
     """
 
     def __init__(self, roofline: Roofline | None = None, *, keep_ops: bool = False) -> None:
@@ -361,6 +363,7 @@ class OpCounter(TorchDispatchMode):
         conv = self.roofline.conv if self.roofline is not None else None
         if conv is not None and conv.align > 1 and packet in CONVOLUTIONS:
             nbytes += relayout_bytes(packet, *tensors)
+        nbytes += reread_bytes(func, *tensors[:2])  # [Note: normalization passes]
         count.nbytes += nbytes
         count.kernels += 1
         if self.roofline is not None:
