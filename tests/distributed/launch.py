@@ -8,12 +8,17 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Exit code reported when the job ran past its timeout and was killed.
 TIMED_OUT = -9
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -60,3 +65,13 @@ def run_session(command: list[str], env: dict[str, str], timeout: float) -> tupl
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     return code, log.decode(errors="replace")
+
+
+def side_by_side(jobs: Sequence[Callable[[], T]], longest: int = 0) -> list[T]:
+    """Run independent ``jobs`` two at a time, ``jobs[longest]`` first beside the others in turn; their results
+    in order. A launch leaves a core idle while its processes start and while its ranks wait for each other,
+    and what the tests compare (losses, parameters) does not depend on timing."""
+    order = [longest, *(i for i in range(len(jobs)) if i != longest)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = {i: pool.submit(jobs[i]) for i in order}
+        return [futures[i].result() for i in range(len(jobs))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
-from tests.distributed.launch import run_job
+from tests.distributed.launch import run_job, side_by_side
 from tests.distributed.ports_cases import TRAIN_BATCHES, PortLit, run_action
 from tests.distributed.strategy_cases import LOCAL_BATCH, Lit, dataset
 
@@ -82,17 +83,17 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, Any]]:
-    """Every launch's results by rank and action."""
-    out = tmp_path_factory.mktemp("ports")
-    results = []
-    for i, (how, world, actions) in enumerate(LAUNCHES):
+    """Every launch's results by rank and action (two launches at a time, each in its own folder)."""
+
+    def launch(i: int, out: Path) -> dict[int, Any]:
+        how, world, actions = LAUNCHES[i]
         (out / f"actions{i}.json").write_text(json.dumps(actions))
-        code, log = run_job([str(SCRIPT), str(out / f"actions{i}.json"), str(out), str(world)], world, how, 180)
+        code, log = run_job([str(SCRIPT), str(out / f"actions{i}.json"), str(out), str(world)], world, how, 240)
         assert code == 0, f"launch {i} ({how}, {world}) failed ({code}):\n{log[-6000:]}"
-        results.append({r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)})
-        for r in range(world):
-            (out / f"rank{r}.pt").unlink()
-    return results
+        return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)}
+
+    outs = [tmp_path_factory.mktemp(f"ports{i}") for i in range(len(LAUNCHES))]
+    return side_by_side([partial(launch, i, out) for i, out in enumerate(outs)])
 
 
 def _close(a: Any, b: Any, rel: float = 1e-5) -> bool:

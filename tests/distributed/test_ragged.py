@@ -5,6 +5,7 @@ weights; a model normalising over the batch (BatchNorm) is refused before traini
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed._ragged_script import EPOCHS, run_case
-from tests.distributed.launch import run_job
+from tests.distributed.launch import run_job, side_by_side
 
 pytestmark = pytest.mark.distributed
 
@@ -47,15 +48,17 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, Any]]:
-    """Every launch's results by rank."""
-    results = []
-    for i, (how, world, cases) in enumerate(LAUNCHES):
-        out = tmp_path_factory.mktemp(f"ragged{i}")
+    """Every launch's results by rank (two launches at a time)."""
+
+    def launch(i: int, out: Path) -> dict[int, Any]:
+        how, world, cases = LAUNCHES[i]
         (out / "cases.json").write_text(json.dumps(cases))
-        code, log = run_job([str(SCRIPT), str(out / "cases.json"), str(out), str(world)], world, how, 240)
+        code, log = run_job([str(SCRIPT), str(out / "cases.json"), str(out), str(world)], world, how, 300)
         assert code == 0, f"launch {i} ({how}, {world}) failed ({code}):\n{log[-5000:]}"
-        results.append({r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)})
-    return results
+        return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)}
+
+    outs = [tmp_path_factory.mktemp(f"ragged{i}") for i in range(len(LAUNCHES))]
+    return side_by_side([partial(launch, i, out) for i, out in enumerate(outs)])
 
 
 @pytest.fixture(scope="module")

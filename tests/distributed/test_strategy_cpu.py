@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from lightning_autopart.runtime.checkpoint import consolidate
 from tests.census import StepProbe
-from tests.distributed.launch import run_job
+from tests.distributed.launch import run_job, side_by_side
 from tests.distributed.strategy_cases import STEPS, fit
 
 pytestmark = pytest.mark.distributed
@@ -79,18 +80,22 @@ def launch(
     return run_job([str(SCRIPT), str(out / "cases.json"), str(out), str(world)], world, how, timeout)
 
 
+def _launched(index: int, out: Path) -> dict[Any, Any]:
+    """Launch ``LAUNCHES[index]`` into ``out``: its results by rank, and ``out`` under "dir"."""
+    how, world, cases = LAUNCHES[index]
+    code, log = launch(how, world, cases, out, timeout=240.0)
+    assert code == 0, f"{how} on {world} processes failed ({code}):\n{log[-5000:]}"
+    result: dict[Any, Any] = {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
+    result["dir"] = out
+    return result
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    """Every launch's results by rank, and its output folder under "dir"."""
-    results = []
-    for i, (how, world, cases) in enumerate(LAUNCHES):
-        out = tmp_path_factory.mktemp(f"launch{i}")
-        code, log = launch(how, world, cases, out)
-        assert code == 0, f"{how} on {world} processes failed ({code}):\n{log[-5000:]}"
-        result: dict[Any, Any] = {r: torch.load(out / f"rank{r}.pt") for r in range(world)}
-        result["dir"] = out
-        results.append(result)
-    return results
+    """Every launch's results by rank, and its output folder under "dir" (two launches at a time)."""
+    longest = max(range(len(LAUNCHES)), key=lambda i: len(LAUNCHES[i][2]) * LAUNCHES[i][1])
+    outs = [tmp_path_factory.mktemp(f"launch{i}") for i in range(len(LAUNCHES))]
+    return side_by_side([partial(_launched, i, out) for i, out in enumerate(outs)], longest)
 
 
 def _case_id(index: int) -> str:
