@@ -53,7 +53,7 @@ def reread_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fl
     """Bytes op ``func`` reads a second time on ``args``/``kwargs`` (see [Note: normalization passes]); 0 for
     any other op."""
     entry = _REREAD.get(func._overloadpacket.__name__)
-    if entry is None:
+    if entry is None or func.namespace != "aten":
         return 0.0
     names, flag = entry
     bound = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
