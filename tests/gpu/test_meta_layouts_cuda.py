@@ -28,3 +28,9 @@ def test_meta_convolutions_match_cudnn(dtype: torch.dtype, dims: int, which: str
 @pytest.mark.parametrize("case", list(LAYOUT_CASES))
 def test_meta_kernels_lay_out_their_outputs_as_cudas_do(dtype: torch.dtype, case: str) -> None:
     assert kernel_strides("meta", case, dtype) == kernel_strides("cuda", case, dtype), (case, dtype)
+
+
+def test_cudas_log_sigmoid_keeps_no_buffer() -> None:
+    """What meta follows (tests/unit/test_meta_layouts.py: a log-sigmoid on meta saves no buffer)."""
+    x = torch.randn(4, 8, 16, device="cuda")
+    assert torch.ops.aten.log_sigmoid_forward(x)[1].numel() == 0

@@ -13,6 +13,7 @@ from torch import nn
 from lightning_autopart.capture import capture
 from lightning_autopart.capture.meta_layouts import MetaLayouts
 from lightning_autopart.profile import profile
+from lightning_autopart.profile.saved import SavedTensorMeter
 
 
 def _last(t: torch.Tensor) -> bool:
@@ -70,6 +71,7 @@ LAYOUT_CASES = {
     "softplus": ((4, 8, 16), True, nn.functional.softplus),
     "hardswish": ((4, 8, 16), True, nn.functional.hardswish),
     "elu": ((4, 8, 16), True, nn.functional.elu),
+    "log_sigmoid": ((4, 8, 16), True, nn.functional.logsigmoid),
 }
 
 
@@ -140,3 +142,16 @@ def test_a_channels_last_model_on_meta_is_priced_without_the_transposes_of_chann
     assert nchw_second == pytest.approx(nchw_third, rel=1e-6)
     assert second == pytest.approx(third, rel=1e-6)  # the same layer, the same layout: the same price
     assert second < 0.8 * nchw_second
+
+
+def test_log_sigmoid_saves_no_buffer_on_meta_as_on_cuda() -> None:
+    """CUDA's log-sigmoid keeps no buffer for its backward (tests/gpu/test_meta_layouts_cuda.py); the CPU's
+    does. On meta only the input is saved, and the backward still runs."""
+    x = torch.randn(4, 8, 16, device="meta", requires_grad=True)
+    meter = SavedTensorMeter()
+    with MetaLayouts(), meter.hooks():
+        y = nn.functional.logsigmoid(x)
+    assert meter.nbytes == x.numel() * x.element_size()
+    with MetaLayouts():
+        (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert grad.shape == x.shape
