@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from lightning_autopart.devices import device_spec
 from lightning_autopart.profile.opcount import OpCounter, OpRecord, Roofline
 
 X_SHAPE = (8, 16, 32, 32)
-X_BYTES = 8 * 16 * 32 * 32 * 4
+X_BYTES = math.prod(X_SHAPE) * 4  # float32
 #: Slack for the small per-channel operands (weights, statistics) every norm op also moves.
 SMALL = 64 * 1024
 
