@@ -120,13 +120,24 @@ def release_program(clone: nn.Module, original: nn.Module) -> None:
 
 
 def needs_input_grad(block: Block) -> list[bool]:
-    """Per argument: True for floating tensors produced by an earlier block (model inputs get no grad)."""
+    """Per argument: True for floating tensors produced by an earlier block that depend on a trainable
+    parameter (``TensorInfo.requires_grad``); model inputs get no grad.
+
+    [Note: inputs without a gradient] A float value made from buffers alone (a rotary table, a float
+    attention mask) gets no gradient in training: within a stage autograd never tracks it, and across a
+    cut the runtime detaches it ([Note: wire format]). Profiled as needing one, every block that reads it
+    ran backward kernels training never runs: a Llama layer's backward, 106 kernels instead of 96 (the
+    cos and sin gradients' products, broadcast sums and fan-in adds), about 20 % more host time.
+    """
+    matched = len(block.inputs) == len(block.args)
     flags = []
     for i, arg in enumerate(block.args):
-        from_model = (
-            block.inputs[i].producer < 0 if len(block.inputs) == len(block.args) else block.index == 0
-        )
-        flags.append(isinstance(arg, torch.Tensor) and arg.is_floating_point() and not from_model)
+        if matched:
+            info = block.inputs[i]
+            wanted = info.producer >= 0 and info.requires_grad
+        else:
+            wanted = block.index != 0
+        flags.append(isinstance(arg, torch.Tensor) and arg.is_floating_point() and wanted)
     return flags
 
 

@@ -37,7 +37,9 @@ class Wrap(nn.Module):
         return (self.inner(*args),)
 
 
-def _info(name: str, t: torch.Tensor, producer: int, consumers: tuple[int, ...]) -> TensorInfo:
+def _info(
+    name: str, t: torch.Tensor, producer: int, consumers: tuple[int, ...], grad: bool = False
+) -> TensorInfo:
     return TensorInfo(
         name,
         tuple(t.shape),
@@ -45,6 +47,7 @@ def _info(name: str, t: torch.Tensor, producer: int, consumers: tuple[int, ...])
         t.numel() * t.element_size(),
         producer,
         consumers,
+        grad and t.is_floating_point(),
     )
 
 
@@ -54,10 +57,12 @@ def _blocks_of(
     first = _info("input0", x, -1, (0,))
     blocks, cuts = [], []
     value, value_info = x, first
+    grad = False  # as the capture marks them: a value needs a gradient from the first trainable block on
     with torch.no_grad():
         for i, (name, module, params, buffers) in enumerate(parts):
             out = module(value)
-            out_info = _info(f"block{i}.out0", out, i, (i + 1,))
+            grad = grad or any(p.requires_grad for p in module.parameters())
+            out_info = _info(f"block{i}.out0", out, i, (i + 1,), grad)
             blocks.append(
                 Block(
                     i,
