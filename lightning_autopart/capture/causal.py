@@ -34,6 +34,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_autopart.capture.grouped_heads import fold_repeated_heads
+
 __all__ = ["fold_causal_masks"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -71,6 +73,7 @@ def fold_causal_masks(graph: fx.Graph, values: dict[fx.Node, Any]) -> int:
             call["is_causal"] = True
         node.args = (call.pop("query"), call.pop("key"), call.pop("value"))
         node.kwargs = call
+        fold_repeated_heads(node)  # the grouped heads eager code then asks for ([Note: grouped heads])
         folded += 1
     for mask, kind in known.items():
         if kind is not None:

@@ -110,12 +110,37 @@ SPLIT_K_MIN = 256
 _PARTIAL_BYTES = 4
 
 
+#: Fused attention kernels a GPU runs, each with the position of its query (the key and value follow it).
+_GPU_ATTENTION = {
+    _aten._scaled_dot_product_flash_attention: 0,
+    _aten._scaled_dot_product_efficient_attention: 0,
+    _aten._scaled_dot_product_cudnn_attention: 0,
+    _aten._scaled_dot_product_flash_attention_backward: 1,
+    _aten._scaled_dot_product_efficient_attention_backward: 1,
+    _aten._scaled_dot_product_cudnn_attention_backward: 1,
+}
+
+
 def flop_formula(packet: Any) -> Any:
     """The FLOP formula of an op overload packet, or None when it has none."""
     formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
     if formula is None and str(packet) in GROUPED:
         return functools.partial(_grouped_flops, packet)
+    if formula is not None and packet in _GPU_ATTENTION:
+        return functools.partial(_grouped_attention, formula, _GPU_ATTENTION[packet])
     return formula
+
+
+def _grouped_attention(formula: Any, q_at: int, *args: Any, **kwargs: Any) -> Any:
+    """``formula`` of a fused attention whose key and value may have fewer heads than its query
+    (``enable_gqa``, [Note: grouped heads]): they are counted as repeated, as torch 2.13's formulas count them
+    and torch 2.11's refuse them."""
+    q, k, v = args[q_at : q_at + 3]
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.shape[1] != q.shape[1]:
+        heads = q.shape[1]
+        wide = [torch.empty(_heads(t.shape, heads), dtype=t.dtype, device="meta") for t in (k, v)]
+        args = (*args[: q_at + 1], *wide, *args[q_at + 3 :])
+    return formula(*args, **kwargs)
 
 
 def _grouped_flops(packet: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> float:

@@ -1,7 +1,8 @@
 """Captured attention runs the kernel eager code runs on a GPU. A causal mask torch.export materialised
 becomes ``is_causal=True`` and an all-true one is dropped ([Note: causal masks]), so the stages of the GPT
-example and of a ViT run flash attention: under ``sdpa_kernel(FLASH_ATTENTION)`` a call that still carried a
-mask would find no kernel. ``check_flash`` takes the device, so it can be tried on the CPU (where flash also
+example, of a ViT and of a Llama with grouped key/value heads ([Note: grouped heads]) run flash attention:
+under ``sdpa_kernel(FLASH_ATTENTION)`` a call that still carried a mask, or repeated heads, would find no
+kernel or copy the keys. ``check_flash`` takes the device, so it can be tried on the CPU (where flash also
 takes masks)."""
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def _models() -> dict[str, tuple[torch.nn.Module, dict[str, Any]]]:
         intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     cases["vit"] = (transformers.ViTModel(config), {"pixel_values": torch.randn(2, 3, 32, 32)})
+    llama = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    # grouped key/value heads: flash reads them unrepeated ([Note: grouped heads])
+    cases["llama-gqa"] = (transformers.LlamaModel(llama), {"input_ids": torch.randint(0, 64, (2, 32))})
     return cases
 
 
@@ -61,6 +68,6 @@ def inputs_on(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {key: value.to(device) for key, value in inputs.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt", "vit"])
+@pytest.mark.parametrize("name", ["gpt", "vit", "llama-gqa"])
 def test_captured_attention_runs_flash(name: str) -> None:
     check_flash(torch.device("cuda"), name)

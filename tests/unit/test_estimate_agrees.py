@@ -20,7 +20,12 @@ from lightning_autopart.capture.graph import CapturedModel
 from tests import hf_architectures, hf_cases
 
 #: Known differences, each with its reason.
-KNOWN: dict[tuple[str, str], str] = {}  # (model, field) -> why estimate and measure may differ there
+KNOWN: dict[tuple[str, str], str] = {  # (model, field) -> why estimate and measure may differ there
+    (name, field): "grouped key/value heads in float32: a GPU runs the math path (memory-efficient attention "
+    "takes no grouped heads), which keeps the scores; the CPU runs flash ([Note: grouped heads])"
+    for name in ("llama", "mixtral", "qwen2", "qwen3", "gemma")
+    for field in ("bwd_flops", "activation_bytes")
+}
 
 
 def _captured(name: str) -> CapturedModel:

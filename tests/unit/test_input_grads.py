@@ -61,7 +61,7 @@ def _backward_ops(counter: OpCounter) -> Counter[str]:
 _SEEDS = {"aten.add_.Tensor", "aten.ones_like.default"}
 
 
-@pytest.mark.parametrize("kv_heads", [4])
+@pytest.mark.parametrize("kv_heads", [4, 2])  # 2: grouped heads, [Note: grouped heads]
 def test_profiled_backward_runs_eager_backwards_kernels(kv_heads: int) -> None:
     """A Llama layer's profiled backward ran 106 kernels where training runs 96: the cos and sin gradients."""
     model, ids = _llama(kv_heads)
