@@ -20,9 +20,10 @@ train (an H200 showed the difference). After a permute (SegFormer's ``(B, C, H, 
 ``(B, H*W, C)``) the next view of that gradient then copied it on meta only: estimate mode priced 64 KB more
 transient memory in SegFormer's first stage than its CPU run measured. A few elementwise backward kernels
 (softplus's, hardswish's, ELU's) follow the incoming gradient where their meta functions follow the input.
-Log-sigmoid's forward returns its output contiguous on both, with a buffer for the backward that CUDA's
-kernel leaves empty and the CPU's and meta's fill: meta keeps CUDA's empty one, so an estimate does not count
-an input-sized tensor saved for backward that a GPU never holds.
+Log-sigmoid's forward returns a buffer for the backward that CUDA's kernel leaves empty and the CPU's and
+meta's fill: meta keeps CUDA's empty one, so an estimate does not count an input-sized tensor saved for
+backward that a GPU never holds; its output keeps a transposed input's strides on CUDA (an H200), where the
+CPU's comes out contiguous.
 :class:`MetaLayouts` gives those outputs the kernels' layouts too (:data:`_KERNEL_LAYOUT`; each checked
 against the CPU in tests/unit/test_meta_layouts.py and against CUDA in tests/gpu/).
 """
@@ -94,8 +95,9 @@ class MetaLayouts(TorchDispatchMode):
         elif packet in _KERNEL_LAYOUT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             return _relaid(out, _KERNEL_LAYOUT[packet], args)  # [Note: kernel layouts on meta]
         elif packet is _aten.log_sigmoid_forward and isinstance(args[0], torch.Tensor) and args[0].is_meta:
-            # CUDA's kernel keeps no buffer (the CPU's backward reads one): an empty one is saved for backward
-            return _relaid(out[0], "contiguous", args), out[1].new_empty((0,))
+            # CUDA's kernel keeps no buffer (the CPU's backward reads one): an empty one is saved for backward;
+            # its output follows the input's strides (seen on an H200; the CPU's comes out contiguous)
+            return _relaid(out[0], ("like", 0), args), out[1].new_empty((0,))
         return out
 
 
