@@ -91,7 +91,9 @@ CHOICES = (*MODES, "measure-serial")
 class LlamaModule(L.LightningModule):
     """A Hugging Face ``LlamaForCausalLM`` from a config (random weights), trained on its own next-token loss."""
 
-    def __init__(self, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, seq: int) -> None:
+    def __init__(
+        self, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, seq: int, kv_heads: int = 0
+    ) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -101,7 +103,7 @@ class LlamaModule(L.LightningModule):
             intermediate_size=intermediate,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=heads,
+            num_key_value_heads=kv_heads or heads,
             max_position_embeddings=seq,
         )
         self.model = LlamaForCausalLM(config)
@@ -184,6 +186,15 @@ def cases(tiny: bool = False) -> dict[str, FidelityCase]:
             "adamw",
             "bf16-mixed",
         ),
+        # grouped key/value heads, as Llama 3, Mistral and Qwen2 have them ([Note: grouped heads])
+        "llama-gqa-b8-adamw-bf16mixed": FidelityCase(
+            "llama-gqa-b8-adamw-bf16mixed",
+            lambda: LlamaModule(**llama, kv_heads=llama["heads"] // 4),
+            _random_tokens(llama["vocab"], llama["seq"]),
+            batches["llama"],
+            "adamw",
+            "bf16-mixed",
+        ),
     }
 
 
@@ -247,7 +258,15 @@ def predict(case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory:
             "backward": sum(c.bwd_us for c in at) / 1e3,
             "optimizer": sum(b.optimizer_us for b in prof.blocks) / 1e3,
         },
-        "blocks": [(b.name, round(c.fwd_us, 1), round(c.bwd_us, 1)) for b, c in zip(prof.blocks, at, strict=True)],
+        # the host's time at the profiled batch (measure mode on CUDA; else 0), beside the device's phases
+        "host_ms": {
+            "forward": sum(b.host_fwd_us for b in prof.blocks) / 1e3,
+            "backward": sum(b.host_bwd_us for b in prof.blocks) / 1e3,
+        },
+        "blocks": [
+            (b.name, round(c.fwd_us, 1), round(c.bwd_us, 1), round(b.host_fwd_us, 1), round(b.host_bwd_us, 1))
+            for b, c in zip(prof.blocks, at, strict=True)
+        ],
         "peak_bytes": p.peak_memory_bytes,
         "fits": fits,
         "on_meta": on_meta,
@@ -393,8 +412,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             p["time_ratio"] = _ratio(p["step_ms"], measured["step_ms"])
             p["peak_ratio"] = _ratio(p["peak_bytes"], measured["peak_bytes"])
             row[mode] = p
-            print(f"{case.name} {mode}: time x{_fmt(p['time_ratio'])}, peak x{_fmt(p['peak_ratio'])}",
-                  file=sys.stderr)  # fmt: skip
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in p["phases_ms"].items())
+            host = ", ".join(f"{k} {v:.2f}" for k, v in p["host_ms"].items())
+            print(f"{case.name} {mode}: time x{_fmt(p['time_ratio'])}, peak x{_fmt(p['peak_ratio'])}; "
+                  f"ms: {phases}; host {host}; measured {measured.get('phases_ms')}", file=sys.stderr)  # fmt: skip
         if args.autopart:
             a = measure_autopart(case, data, accelerator=args.accelerator, warmup=warmup, steps=steps)
             a["time_ratio"] = _ratio(a["predicted_ms"], a["step_ms"])
