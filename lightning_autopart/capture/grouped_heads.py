@@ -1,7 +1,7 @@
 """Grouped key/value heads that a materialised mask made repeated, given back to attention as ``enable_gqa``.
 
-[Note: grouped heads] Run eagerly without padding, a Hugging Face decoder with fewer key/value heads than query
-heads (Llama 3, Mistral, Qwen2, ...) passes no mask and calls ``scaled_dot_product_attention(q, k, v,
+[Note: grouped heads] Run eagerly without padding, a Hugging Face decoder with fewer key/value heads than
+query heads (Llama 3, Mistral, Qwen2, ...) passes no mask and calls ``scaled_dot_product_attention(q, k, v,
 is_causal=True, enable_gqa=True)``: flash attention reads each key/value head for its whole group. Under
 torch.export the mask is built (see [Note: causal masks]), and with a mask the library first repeats every
 key/value head for each query head of its group (``unsqueeze``, ``expand``, ``reshape``: a copy of the keys

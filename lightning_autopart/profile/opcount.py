@@ -136,7 +136,8 @@ def _grouped_attention(formula: Any, q_at: int, *args: Any, **kwargs: Any) -> An
     (``enable_gqa``, [Note: grouped heads]): they are counted as repeated, as torch 2.13's formulas count them
     and torch 2.11's refuse them."""
     q, k, v = args[q_at : q_at + 3]
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.shape[1] != q.shape[1]:
+    grouped = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4
+    if grouped and k.shape[1] != q.shape[1]:
         heads = q.shape[1]
         wide = [torch.empty(_heads(t.shape, heads), dtype=t.dtype, device="meta") for t in (k, v)]
         args = (*args[: q_at + 1], *wide, *args[q_at + 3 :])

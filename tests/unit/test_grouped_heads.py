@@ -31,9 +31,8 @@ def _llama(kv_heads: int, *, meta: bool = False) -> nn.Module:
 
 
 def _repeats(captured: object) -> int:
-    return sum(
-        n.target in _REPEAT for b in captured.blocks for n in b.program.graph.nodes  # type: ignore[attr-defined]
-    )
+    blocks = captured.blocks  # type: ignore[attr-defined]
+    return sum(n.target in _REPEAT for b in blocks for n in b.program.graph.nodes)
 
 
 @pytest.mark.parametrize("meta", [False, True])
@@ -75,7 +74,8 @@ def test_full_heads_and_padded_batches_keep_their_attention() -> None:
     assert not any(n.kwargs.get("enable_gqa") for n in _attention_calls(plain))
     padding = torch.ones(2, 16, dtype=torch.long)
     padding[0, :3] = 0
-    padded = capture(_llama(2), {"input_ids": ids, "attention_mask": padding, "labels": ids, "use_cache": False})
+    inputs = {"input_ids": ids, "attention_mask": padding, "labels": ids, "use_cache": False}
+    padded = capture(_llama(2), inputs)
     calls = _attention_calls(padded)
     assert calls and all(_masked(n) and not n.kwargs.get("enable_gqa") for n in calls)
 
@@ -117,7 +117,9 @@ _ATTENTION = torch.ops.aten
         (_ATTENTION._scaled_dot_product_efficient_attention_backward, 1, (None,)),
     ],
 )
-def test_a_gpus_grouped_attention_counts_as_repeated_heads(op: object, q_at: int, extra: tuple[object, ...]) -> None:
+def test_a_gpus_grouped_attention_counts_as_repeated_heads(
+    op: object, q_at: int, extra: tuple[object, ...]
+) -> None:
     """torch 2.11's FLOP formulas refused grouped key/value heads: measure mode failed on an H200 at a grouped
     Llama's first layer. They count as the heads repeated, as torch 2.13 counts them."""
     from lightning_autopart.profile.opcount import flop_formula
