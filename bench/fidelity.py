@@ -21,7 +21,9 @@ training recomputes nothing) on a one-device cluster of the local spec with the 
 does not fit still gives its prediction. Ratios are predicted / measured; the worst is the farthest from 1
 (``max(r, 1/r)``). Goals: estimate within 20% (time) and 10% (peak), measure within 10% (both).
 ``--modes measure-serial`` adds measure mode timed as before the spin kernels of [Note: host and device]
-(``cuda_clock.SPIN = False``: events only, host time not apart), to compare the two on one machine.
+(``cuda_clock.SPIN = False``: events only, host time not apart), to compare the two on one machine;
+``--modes measure-chained`` adds measure mode with blocks chained between synchronizes and each backward's
+autograd hand-off taken off (``cuda_clock.CHAIN = True``, [Note: chained runs]).
 
 ``--autopart`` also trains each case with ``AutoPartitionStrategy(num_stages=1, micro_batches=1)`` (measure
 mode) and prints its step against its own plan's prediction and against plain Lightning's step: where a step
@@ -82,10 +84,12 @@ GOALS: dict[tuple[str, str], float] = {
     ("measure", "peak"): 0.10,
     ("measure-serial", "time"): 0.10,
     ("measure-serial", "peak"): 0.10,
+    ("measure-chained", "time"): 0.10,
+    ("measure-chained", "peak"): 0.10,
 }
 MODES = ("estimate", "measure")
 #: Every mode ``--modes`` takes (see the module docstring).
-CHOICES = (*MODES, "measure-serial")
+CHOICES = (*MODES, "measure-serial", "measure-chained")
 
 
 class LlamaModule(L.LightningModule):
@@ -326,15 +330,17 @@ def table(rows: list[dict[str, Any]], modes: tuple[str, ...] = MODES) -> str:
 
 
 @contextlib.contextmanager
-def _spin(on: bool) -> Iterator[None]:
-    """Measure mode with or without the spin kernels of [Note: host and device]."""
+def _spin(on: bool, chain: bool = False) -> Iterator[None]:
+    """Measure mode with or without the spin kernels of [Note: host and device], its runs chained or not
+    ([Note: chained runs])."""
     from lightning_autopart.profile import cuda_clock
 
-    before, cuda_clock.SPIN = cuda_clock.SPIN, on
+    before = cuda_clock.SPIN, cuda_clock.CHAIN
+    cuda_clock.SPIN, cuda_clock.CHAIN = on, chain
     try:
         yield
     finally:
-        cuda_clock.SPIN = before
+        cuda_clock.SPIN, cuda_clock.CHAIN = before
 
 
 def _device_memory(cuda: bool) -> int:
@@ -405,9 +411,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"case": case.name, "batch": case.batch, "optimizer": case.optimizer,
                                "precision": case.precision, "measured": measured}  # fmt: skip
         for mode in modes:
-            serial = mode == "measure-serial"
-            with contextlib.redirect_stdout(sys.stderr), _spin(not serial):
-                p = predict(case, data.pool[0], "measure" if serial else mode, spec, memory)
+            serial, chain = mode == "measure-serial", mode == "measure-chained"
+            with contextlib.redirect_stdout(sys.stderr), _spin(not serial, chain):
+                p = predict(case, data.pool[0], "measure" if serial or chain else mode, spec, memory)
             free_device(cuda)
             p["time_ratio"] = _ratio(p["step_ms"], measured["step_ms"])
             p["peak_ratio"] = _ratio(p["peak_bytes"], measured["peak_bytes"])

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call's GPU checks (under 10 minutes on an H100 or H200; run from the repository root with the
 # machine's own torch and Lightning): bench/fidelity.py in estimate and measure mode on the host-bound bf16
-# cases (a Llama with grouped key/value heads among them) and the float32 Net, with autopart's own one-stage
-# step beside plain Lightning's; then the GPU tier; then the ResNet cases. Each part has its own time limit, so
-# one slow part leaves the others their time;
+# cases (a Llama with grouped key/value heads among them) and the float32 Net, measure mode also chained
+# ([Note: chained runs]), with autopart's own one-stage step beside plain Lightning's; then the GPU tier;
+# then the ResNet cases. Each part has its own time limit, so one slow part leaves the others their time;
 # everything is written under the OUT folder as it goes.
 # Usage: bash scripts/gpu_check.sh [OUT folder, default $OUT or out/gpu]
 set -uo pipefail
@@ -11,10 +11,10 @@ out=${1:-${OUT:-out/gpu}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.get_device_name())"
-timeout 300 python3 bench/fidelity.py --steps 20 --warmup 5 --modes estimate measure --autopart \
+timeout 330 python3 bench/fidelity.py --steps 20 --warmup 5 --modes estimate measure measure-chained --autopart \
     --cases llama-tiny-b8-adamw-bf16mixed gpt-small-b8-adam-bf16mixed llama-gqa-b8-adamw-bf16mixed \
     net5000x24-b512-sgd-32 --json "$out/fidelity.json" 2>&1 | tee "$out/fidelity.txt"
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs --timeout 100 --durations 12 2>&1 \
+timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs --timeout 100 --durations 12 2>&1 \
     | tee "$out/gpu_tier.txt"
 timeout 100 python3 bench/fidelity.py --steps 15 --warmup 5 --modes estimate measure \
     --cases resnet50x4-b32-sgd-32 resnet50x4-b32-sgd-bf16mixed-cl \

@@ -18,6 +18,16 @@ waited for the spin, or the host was slower than the spin allowed. Such a run co
 every run of a block that launches more kernels than the device's queue takes while it spins
 (:data:`QUEUE_KERNELS`) and every run when :data:`SPIN` is off: its host time is its device time, which adds
 the same to both sums, as a block the host cannot run ahead of does.
+
+[Note: chained runs] A synchronize before every block leaves the host idle between blocks, where a training
+step's host never pauses; on an H200 the same Llama's profiled host time differed by 20-40 % between two
+machines whose plain steps differed by 5 %. With :data:`CHAIN` (opt-in, for ``bench/fidelity.py --modes
+measure-chained`` until a GPU session has compared it), runs follow each other without a synchronize while
+the device's queue holds them (:data:`QUEUE_KERNELS` launches since the last one): each run still waits
+behind its own spin, so the device, which lags the host by every earlier spin, never idles inside a run, and
+the host runs from block to block as in a step. Each block's backward is still its own autograd call, handed
+to the device's autograd thread and back, where a stage's backward is one call: in this mode that hand-off
+(``measure.backward_handoff_us``, timed once per profile) is taken off each block's backward host time.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["QUEUE_KERNELS", "SPIN", "CudaClock"]
+__all__ = ["CHAIN", "QUEUE_KERNELS", "SPIN", "CudaClock"]
 
 #: Time blocks behind a spin kernel (host and device apart). False: events only, no synchronize between
 #: blocks, every run serial (the timing of before, kept for ``bench/fidelity.py --modes measure-serial``).
@@ -38,6 +48,12 @@ SPIN = True
 #: Most kernels a block may launch behind a spin: the driver's queue holds about 1,024 launches, and a host
 #: that fills it waits for the spin, which would then count as host time.
 QUEUE_KERNELS = 512
+
+#: Chain runs without a synchronize between them while the queue holds them (see [Note: chained runs]).
+CHAIN = False
+
+#: Launches a run adds besides its kernels: its spin and its two events.
+_PER_RUN = 3
 
 #: The spin lasts ``_MARGIN`` times the block's longest host time seen, plus ``_FLOOR_US``, at most ``_CAP_US``.
 _MARGIN, _FLOOR_US, _CAP_US = 1.5, 20.0, 1e6
@@ -84,11 +100,20 @@ class CudaClock:
     last: Any = None
     _seen: dict[Any, float] = field(default_factory=dict)
     _pending: list[_Run] = field(default_factory=list)
+    #: Launches queued since the last synchronize (see [Note: chained runs]).
+    _queued: int = 0
 
-    def idle(self) -> None:
-        """Wait until the device has run everything queued (a no-op when :data:`SPIN` is off)."""
-        if SPIN:
-            torch.cuda.synchronize(self.device)
+    def idle(self, kernels: int | None = None) -> None:
+        """Wait until the device has run everything queued (a no-op when :data:`SPIN` is off); with
+        :data:`CHAIN`, only when a next run of ``kernels`` launches would overfill the queue."""
+        if not SPIN:
+            return
+        launches = None if kernels is None else kernels + _PER_RUN
+        if CHAIN and launches is not None and self._queued + launches <= QUEUE_KERNELS:
+            self._queued += launches
+            return
+        torch.cuda.synchronize(self.device)
+        self._queued = launches or 0
 
     def run(
         self,
@@ -121,6 +146,7 @@ class CudaClock:
     def settle(self) -> None:
         """Wait for the device and file every pending run's times."""
         torch.cuda.synchronize(self.device)
+        self._queued = 0
         for r in self._pending:
             device_us = r.start.elapsed_time(r.end) * 1e3
             r.device_us.append(device_us)

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 
 from lightning_autopart.capture.graph import Block
+from lightning_autopart.profile import cuda_clock
 from lightning_autopart.profile.cuda_clock import CudaClock
 from lightning_autopart.profile.opcount import OpCounter
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.runner import BlockCost, Runner
 from lightning_autopart.profile.sandbox import clear_grads, fresh_inputs
 
-__all__ = ["trimmed_mean"]
+__all__ = ["backward_handoff_us", "trimmed_mean"]
 
 
 class BlockFailed(Exception):
@@ -128,13 +129,44 @@ def measure_blocks(
             runner.release()
         runners.clear()
     costs = []
+    # each block's backward was its own autograd call; a stage's is one (see [Note: chained runs])
+    handoff = backward_handoff_us(device) if clock is not None and cuda_clock.CHAIN else 0.0
     for i in range(len(blocks)):
         fwd_us, bwd_us = _typical(fwd_times[i], device), _typical(bwd_times[i], device)
         fwd, bwd = counters[i].counts["fwd"], counters[i].counts["bwd"]
         fixed = (min(fwd.kernels * launch_us, 0.9 * fwd_us), min(bwd.kernels * launch_us, 0.9 * bwd_us))
-        host = (_typical(fwd_host[i], device), _typical(bwd_host[i], device)) if clock else (0.0, 0.0)
+        host = (0.0, 0.0)
+        if clock is not None:
+            host = (_typical(fwd_host[i], device), max(0.0, _typical(bwd_host[i], device) - handoff))
         costs.append(BlockCost.of(counters[i], saved[i], (fwd_us, bwd_us), fixed, memory[i], names[i], host))
     return costs
+
+
+def backward_handoff_us(device: torch.device, rounds: int = 21) -> float:
+    """Host microseconds an autograd backward call costs beyond launching its kernels: the median call of a
+    one-element product's backward less the median of launching its two kernels directly. On CUDA the call
+    hands its graph to the device's autograd thread and waits for it to finish."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    seed = torch.ones(1, device=device)
+    calls: list[float] = []
+    launches: list[float] = []
+    for _ in range(rounds):
+        y = x * 2
+        _synchronize(device)
+        began = time.perf_counter()
+        torch.autograd.backward(y, seed)
+        calls.append(time.perf_counter() - began)
+        _synchronize(device)
+        began = time.perf_counter()
+        x.grad.add_(seed * 2)  # type: ignore[union-attr]  # the same two kernels: the product, the accumulation
+        launches.append(time.perf_counter() - began)
+    _synchronize(device)
+    return max(0.0, statistics.median(calls) - statistics.median(launches)) * 1e6
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 #: Timed rounds on a host device: at least ``repeats``, more (up to this many) until the timed rounds took
@@ -178,7 +210,7 @@ def _run(
             times[0].append(elapsed)
         return result
     try:
-        clock.idle()
+        clock.idle(kernels)
     except Exception as error:  # the previous run's error, reported by CUDA only now
         raise BlockFailed(clock.last if clock.last is not None else position, error) from error
     clock.last = position

@@ -153,3 +153,24 @@ def test_cuda_events_time_a_captured_model_and_nothing_leaks() -> None:
     for b in prof.blocks:
         assert b.fwd_us > 0 and b.bwd_us > 0, b
     assert all(p.device.type == "cpu" and p.grad is None for p in captured.module.parameters())
+
+
+def test_chained_runs_keep_host_and_device_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: chained runs]: without a synchronize between blocks the events still time the device alone, a
+    syncing block still counts as serial, and the backward's hand-off is measured and taken off."""
+    from lightning_autopart.profile import cuda_clock
+    from lightning_autopart.profile.measure import backward_handoff_us
+
+    model = nn.Sequential(nn.Linear(64, 64), Chatty(), Syncing(), nn.Linear(64, 64))
+    cap = chain(model, torch.randn(8, 64))
+    spun = profile(cap, device="cuda", warmup=2, repeats=7).blocks
+    monkeypatch.setattr(cuda_clock, "CHAIN", True)
+    chained = profile(cap, device="cuda", warmup=2, repeats=7).blocks
+    handoff = backward_handoff_us(torch.device("cuda"))
+    print(f"\nchatty block, us: spun fwd {spun[1].fwd_us:.0f} host {spun[1].host_fwd_us:.0f} "
+          f"{spun[1].host_bwd_us:.0f}; chained fwd {chained[1].fwd_us:.0f} host {chained[1].host_fwd_us:.0f} "
+          f"{chained[1].host_bwd_us:.0f}; hand-off {handoff:.0f}")  # fmt: skip
+    assert chained[2].host_fwd_us == chained[2].fwd_us  # it waited for the device: serial
+    assert chained[1].host_fwd_us > chained[1].fwd_us  # host-bound, and seen as such
+    assert chained[1].fwd_us < 1.5 * spun[1].fwd_us  # the device's own time, not the host's pace
+    assert 0.0 <= handoff < 5e3

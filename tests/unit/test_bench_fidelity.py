@@ -37,6 +37,7 @@ def test_tiny_case_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert p["loss_error"] is None
     assert row["estimate"]["on_meta"] and not row["measure"]["on_meta"]
     assert row["measure-serial"]["step_ms"] > 0 and "measure-serial time ratio" in lines[0]
+    assert row["measure-chained"]["step_ms"] > 0 and "measure-chained time ratio" in lines[0]
     auto = row["autopart"]  # autopart's own one-stage step, against its plan and against plain Lightning
     assert len(auto["steps_s"]) == 3 and auto["predicted_ms"] > 0 and auto["predicted_peak_bytes"] > 0
     assert math.isfinite(auto["time_ratio"]) and math.isfinite(auto["vs_plain"])

@@ -139,3 +139,37 @@ def test_the_spin_rate_is_the_fastest_of_three_spins(
     monkeypatch.setattr(FakeEvent, "elapsed_time", lambda self, end: next(durations) / 1e3)
     assert cuda_clock.cycles_per_us(torch.device("cuda", 0)) == 2000.0
     assert cuda_clock.cycles_per_us(torch.device("cuda", 0)) == 2000.0  # once per process
+
+
+def test_chained_runs_synchronize_only_when_the_queue_would_overfill(
+    fake: tuple[FakeCuda, FakeTime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: chained runs]: the host runs from block to block while the device's queue holds the launches."""
+    cuda, now = fake
+    monkeypatch.setattr(cuda_clock, "CHAIN", True)
+    clock = CudaClock(torch.device("cuda", 0))
+    kernels = 100  # each run queues its kernels, a spin and two events
+    per_run = kernels + 3
+    runs = QUEUE_KERNELS // per_run + 1  # the last of them no longer fits
+
+    def one(key: int) -> None:
+        clock.idle(kernels)
+        clock.run(("fwd", key), lambda: setattr(now, "now", now.now + 1e-4), kernels, ([], []))
+
+    for key in range(runs):
+        one(key)
+    assert cuda.log.count("sync") == 1  # before the run that overfilled the queue only
+    clock.settle()
+    cuda.log.clear()
+    one(0)
+    assert cuda.log.count("sync") == 0  # settle emptied the queue
+    monkeypatch.setattr(cuda_clock, "CHAIN", False)
+    one(1)
+    assert cuda.log.count("sync") == 1  # unchained: a synchronize before every run
+
+
+def test_a_backward_calls_hand_off_is_measured_apart_from_its_kernels() -> None:
+    from lightning_autopart.profile.measure import backward_handoff_us
+
+    handoff = backward_handoff_us(torch.device("cpu"), rounds=5)
+    assert 0.0 <= handoff < 1e5
