@@ -51,6 +51,7 @@ def transformer_profile(layers: int, hidden: int = 2048, seq: int = 2048, vocab:
             activation_bytes=act,
             cut_bytes=cut,
             fwd_flops=fwd_flops,
+            accumulate_us=3 * 4 * params / 1.555e12 / 0.8 * 1e6,  # [Note: gradient accumulation], A100-40GB
         )
 
     cut = 2 * seq * h

@@ -6,7 +6,9 @@ Interleaved1F1B, else 1); ``V = S*v`` virtual stages; ``M`` micro-batches of ``m
 
 Per block at ``m`` samples, read off its cost curve (see [Note: cost curves] in records.py)::
 
-    f_k, b_k     forward and backward time (the last block carries the loss that training_step computes)
+    f_k, b_k     forward and backward time (the last block carries the loss that training_step computes);
+                 b_k + (M - 1)/M * g_k, g_k the block's gradient accumulation ([Note: gradient accumulation]
+                 in profile/step.py; all of g_k when gradients outlive the step)
     a_k          bytes saved for backward,   x_k  bytes of backward's transient peak (gradients, temporaries)
     c_k          bytes crossing the cut after block k,   c_{-1} = c_in = the model's input bytes
     o_k          the optimizer step over the block's parameters (once per step, independent of m)
@@ -220,7 +222,9 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     s, r, v = cfg.stages, cfg.replicas, cfg.chunks
     m = batch_size // (r * cfg.micro_batches)
     at = tables.at(m)
-    cc = ConfigCosts(cfg, m, v, cfg.ticks, checkpointing, at.pf, at.pb, at)
+    mb = cfg.micro_batches  # every micro-batch but the first adds into the gradients the first made
+    share = 1.0 if tables.persistent_grads else (mb - 1) / mb
+    cc = ConfigCosts(cfg, m, v, cfg.ticks, checkpointing, at.pf, tables.accumulating_pb(m, share), at)
     pat = link_pattern(s, r, cl.devices_per_node, cfg.layout)
     intra, inter = tables.p2p(m, True), tables.p2p(m, False)
     out = [intra if x else inter for x in pat.p2p_intra]

@@ -157,6 +157,8 @@ class CostTables:
         )
         #: Prefix sums of the optimizer step's time (once per step, independent of the micro-batch).
         self.opt_us = _prefix_float([b.optimizer_us for b in blocks])
+        #: Prefix sums of one micro-batch's gradient accumulation ([Note: gradient accumulation] in step.py).
+        self.acc_us = _prefix_float([b.accumulate_us for b in blocks])
         #: Prefix sums of the blocks' host time per micro-batch, forward and backward, and forward alone (0
         #: unless timed on a device the host feeds ahead of time: [Note: host and device] in cuda_clock.py).
         self.host_fb = _prefix_float([b.host_fwd_us + b.host_bwd_us for b in blocks])
@@ -169,6 +171,7 @@ class CostTables:
         self.persistent_grads = persistent_grads
         self._sizes: dict[int, SizeTables] = {}
         self._fb: dict[tuple[int, bool], list[float]] = {}
+        self._pb_acc: dict[tuple[int, float], list[float]] = {}
         self._mem: dict[tuple[int, int, int, bool], list[int]] = {}
         self._p2p: dict[tuple[int, bool], list[float]] = {}
 
@@ -203,6 +206,17 @@ class CostTables:
         """Prefix sums of forward and backward time at ``m`` samples, and the largest ``f_k + b_k``."""
         at = self.at(m)
         return at.pf, at.pb, at.big
+
+    def accumulating_pb(self, m: int, share: float) -> list[float]:
+        """Prefix sums of a micro-batch's backward at size ``m`` with ``share`` of the gradients' accumulation
+        added (see [Note: gradient accumulation] in step.py)."""
+        pb = self.at(m).pb
+        if share <= 0.0 or not self.acc_us[-1]:
+            return pb
+        got = self._pb_acc.get((m, share))
+        if got is None:
+            got = self._pb_acc[(m, share)] = [b + share * a for b, a in zip(pb, self.acc_us, strict=True)]
+        return got
 
     def fb_prefix(self, m: int, recompute: bool = False) -> list[float]:
         """Prefix sums of ``f_k + b_k`` at ``m`` samples, or of ``2 f_k + b_k`` with ``recompute``."""

@@ -110,6 +110,9 @@ SPLIT_K_MIN = 256
 _PARTIAL_BYTES = 4
 
 
+#: AccumulateGrad's in-place add into an existing gradient.
+_ACCUMULATE = _aten.add_.Tensor
+
 #: Fused attention kernels a GPU runs, each with the position of its query (the key and value follow it).
 _GPU_ATTENTION = {
     _aten._scaled_dot_product_flash_attention: 0,
@@ -344,12 +347,15 @@ class OpCounter(TorchDispatchMode):
         self._pending_gemms: list[Gemm] = []
         #: Other libraries' ops (custom ops) with no FLOP formula that ran whole: priced by their bytes alone.
         self.opaque: set[str] = set()
+        #: Ids of gradients the run's backward adds into: those adds are a later micro-batch's, run uncounted
+        #: (see [Note: gradient accumulation] in step.py).
+        self.accumulators: set[int] = set()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.phase is None:
+        if self.phase is None or (func is _ACCUMULATE and id(args[0]) in self.accumulators):
             return func(*args, **kwargs)
         packet = func._overloadpacket
         top = self._depth == 0

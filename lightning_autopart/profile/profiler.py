@@ -23,7 +23,7 @@ from lightning_autopart.profile.opcount import Roofline
 from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, optimizer_state_factor, with_curve
 from lightning_autopart.profile.runner import BlockCost
-from lightning_autopart.profile.step import optimizer_step_us
+from lightning_autopart.profile.step import accumulate_us, optimizer_step_us
 
 __all__ = ["profile", "resolve_spec"]
 
@@ -217,6 +217,9 @@ def profile(
             own = memory[index]
             step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
             record = _record(block.name, block.modules, own, cost, cut_bytes, step_us)
+            record = dataclasses.replace(
+                record, accumulate_us=accumulate_us(own.grad_bytes, len(own.param_shapes), chosen)
+            )
             if twin is not None:
                 record = _with_curve(record, captured, twin, index, precision, roofline, sizes, cut_dtype)
             records.append(record)

@@ -124,6 +124,9 @@ class BlockProfile:
     #: the host does the math itself (CPU), where ``fwd_us``/``bwd_us`` hold it.
     host_fwd_us: float = 0.0
     host_bwd_us: float = 0.0
+    #: Time of adding one micro-batch's gradients into the parameters this block owns (every micro-batch but
+    #: a step's first; see [Note: gradient accumulation] in step.py).
+    accumulate_us: float = 0.0
 
 
 # [Note: saved twice]

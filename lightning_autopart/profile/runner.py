@@ -161,6 +161,7 @@ class Runner:
         for p in self.program.parameters():  # gradients are state: backward accumulates into them
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
+                counter.accumulators.add(id(p.grad))  # adds into it: [Note: gradient accumulation]
         inputs = fresh_inputs(self.args)
         layouts = meta_layouts([*tree_leaves(inputs), *self.program.parameters()])
         with layouts, counter, allocations:  # layouts nearest the kernels: [Note: channels-last on meta]

@@ -255,3 +255,23 @@ def test_fresh_gradients_leave_the_peak() -> None:
     # One stage, one micro-batch: plain training; the gradients are made during its only backward.
     one = evaluate_config(tables, Config(1, 1, 1, "GPipe"), 2, (0, 3), checkpointing=False)
     assert one.stages[0].memory_bytes == 810 + 2 * 1200 + 2000 - 200
+
+
+def test_later_micro_batches_add_into_the_gradients() -> None:
+    """[Note: gradient accumulation]: of M micro-batches, M - 1 add into the gradients the first made; all M
+    when the gradients outlive the step (accumulation over steps)."""
+    grads = (30.0, 6.0, 12.0)
+    pairs = zip(PROFILE.blocks, grads, strict=True)
+    blocks = tuple(dataclasses.replace(b, accumulate_us=g) for b, g in pairs)
+    profile = dataclasses.replace(PROFILE, blocks=blocks)
+    for persistent, mb, share in ((False, 1, 0.0), (False, 4, 0.75), (True, 1, 1.0), (True, 4, 1.0)):
+        tables = CostTables(profile, _cluster(), persistent_grads=persistent)
+        plain = CostTables(PROFILE, _cluster(), persistent_grads=persistent)
+        cfg = Config(1, 1, mb, "GPipe")
+        got = stage_cost(tables, config_costs(tables, cfg, 4), 0, 0, 3)
+        base = stage_cost(plain, config_costs(plain, cfg, 4), 0, 0, 3)
+        assert got.bwd_us == pytest.approx(base.bwd_us + share * 48.0), (persistent, mb)
+        assert got.fwd_us == base.fwd_us
+        assert evaluate_config(tables, cfg, 4, (0, 3)).step_us == pytest.approx(  # type: ignore[union-attr]
+            evaluate_config(plain, cfg, 4, (0, 3)).step_us + mb * share * 48.0  # type: ignore[union-attr]
+        )

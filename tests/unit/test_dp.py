@@ -145,6 +145,8 @@ def instances(
                 # host-bound blocks (host time beyond the device's: priced as max(device, host) per stage)
                 host_fwd_us=draw(st.sampled_from([0.0, 0.0, fwd * 3.0]) | st.floats(0.0, 3000.0)),
                 host_bwd_us=draw(st.sampled_from([0.0, bwd * 2.0]) | st.floats(0.0, 3000.0)),
+                # gradient accumulation, every micro-batch but the first: it favours fewer micro-batches
+                accumulate_us=draw(st.sampled_from([0.0, bwd * 0.5]) | st.floats(0.0, 1000.0)),
             )
         )
     tied: tuple[TiedParam, ...] = ()
