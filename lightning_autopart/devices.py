@@ -26,7 +26,9 @@ from dataclasses import dataclass, replace
 
 from lightning_autopart.errors import ConfigError
 
-__all__ = ["DeviceSpec", "device_spec", "device_spec_names", "tf32_convolutions", "tf32_matmuls"]
+__all__ = [
+    "DeviceSpec", "device_spec", "device_spec_names", "register_spec", "tf32_convolutions", "tf32_matmuls"
+]
 
 _GIB = 1 << 30
 
@@ -204,3 +206,16 @@ def device_spec(name: str, **overrides: float | int) -> DeviceSpec:
         )
     spec = _SPECS[key]
     return replace(spec, **overrides) if overrides else spec  # type: ignore[arg-type]
+
+
+def register_spec(spec: DeviceSpec) -> None:
+    """Make ``spec`` known to :func:`device_spec` under its name in this process (a spec derived from the local
+    device, see [Note: derived device specs] in ``profile/cuda_spec.py``).
+
+    Raises:
+        ConfigError: the name is a built-in spec's with other figures.
+    """
+    known = _SPECS.get(spec.name)
+    if known is not None and known != spec:
+        raise ConfigError(f"device spec {spec.name!r} exists with other figures; give the new one another name")
+    _SPECS[spec.name] = spec

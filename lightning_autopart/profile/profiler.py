@@ -15,6 +15,7 @@ from lightning_autopart.devices import DeviceSpec, device_spec, tf32_convolution
 from lightning_autopart.errors import ConfigError, ProfileError
 from lightning_autopart.profile.autocast_cuts import with_autocast_dtypes
 from lightning_autopart.profile.calibrate import calibrate_cpu
+from lightning_autopart.profile.cuda_spec import local_cuda_spec
 from lightning_autopart.profile.estimate import estimate_block, estimate_curve
 from lightning_autopart.profile.hints import failure_hint, warn_opaque
 from lightning_autopart.profile.measure import BlockFailed, measure_blocks
@@ -31,15 +32,9 @@ _MODES = ("measure", "estimate")
 
 
 def _cuda_spec(device: torch.device) -> DeviceSpec:
-    """The named spec closest to a CUDA device (for its launch overhead); A100 40 GB when unknown."""
-    props = torch.cuda.get_device_properties(device)
-    name = props.name.lower()
-    for key in ("h200", "h100", "a100", "v100"):
-        if key in name:
-            if key == "a100" and props.total_memory > 50 * (1 << 30):
-                return device_spec("a100-80gb")
-            return device_spec(key)
-    return device_spec("a100-40gb")
+    """The named spec of a CUDA device where it is that part, else one derived from its reported clocks and
+    memory bus ([Note: derived device specs])."""
+    return local_cuda_spec(torch.cuda.get_device_properties(device))
 
 
 def resolve_spec(spec: str | DeviceSpec | None, device: torch.device | None = None) -> DeviceSpec:
@@ -216,10 +211,8 @@ def profile(
             cut_bytes = sum(scaled_nbytes(t, cut_dtype) for t in captured.cuts[index])
             own = memory[index]
             step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
-            record = _record(block.name, block.modules, own, cost, cut_bytes, step_us)
-            record = dataclasses.replace(
-                record, accumulate_us=accumulate_us(own.grad_bytes, len(own.param_shapes), chosen)
-            )
+            add_us = accumulate_us(own.grad_bytes, len(own.param_shapes), chosen)
+            record = _record(block.name, block.modules, own, cost, cut_bytes, (step_us, add_us))
             if twin is not None:
                 record = _with_curve(record, captured, twin, index, precision, roofline, sizes, cut_dtype)
             records.append(record)
@@ -328,8 +321,14 @@ def _forget_frames(error: BaseException) -> None:
 
 
 def _record(
-    name: str, modules: tuple[str, ...], memory: BlockMemory, cost: BlockCost, cut_bytes: int, step_us: float
+    name: str,
+    modules: tuple[str, ...],
+    memory: BlockMemory,
+    cost: BlockCost,
+    cut_bytes: int,
+    step_us: tuple[float, float],
 ) -> BlockProfile:
+    """One block's record; ``step_us``: its optimizer step's time and its gradients' accumulation's."""
     return BlockProfile(
         name=name,
         modules=tuple(modules),
@@ -348,7 +347,8 @@ def _record(
         fwd_flops=float(cost.fwd_flops),
         transient_bytes=int(cost.transient_bytes),
         cast_bytes=int(cost.cast_bytes),
-        optimizer_us=float(step_us),
+        optimizer_us=float(step_us[0]),
+        accumulate_us=float(step_us[1]),
         host_fwd_us=float(cost.host_us[0]),
         host_bwd_us=float(cost.host_us[1]),
     )

@@ -11,7 +11,9 @@ from torch import nn
 
 from lightning_autopart.capture import capture
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.devices import device_spec_names
 from lightning_autopart.profile import profile
+from lightning_autopart.profile.cuda_spec import CudaProperties, local_cuda_spec
 from lightning_autopart.profile.records import ModelProfile
 from tests.census import live_tensor_bytes
 from tests.models import GPT
@@ -35,6 +37,19 @@ def test_cuda_event_timing() -> None:
     assert prof.meta["launch_spec"] != "cpu"
     assert all(p.device.type == "cpu" and p.grad is None for p in cap.module.parameters())
     assert torch.cuda.memory_allocated() <= allocated + (1 << 20)  # the copies are gone
+
+
+def test_this_device_gets_a_spec_named_or_derived_from_its_clocks() -> None:
+    """[Note: derived device specs]: the driver reports the numbers the derivation needs, and the H100 SXM /
+    H200 we are lent are their named specs."""
+    props = torch.cuda.get_device_properties(0)
+    numbers = CudaProperties.of(props)
+    assert numbers.clock_khz > 0 and numbers.memory_clock_khz > 0 and numbers.memory_bus_width > 0
+    spec = local_cuda_spec(props)
+    assert spec.sm_count == props.multi_processor_count and spec.name in device_spec_names()
+    if props.name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        assert spec.name in ("h100-80gb", "h200-141gb")
+    print(f"{props.name}: {spec}")
 
 
 class Chatty(nn.Module):
