@@ -36,8 +36,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Without PYTEST_ARGS: the one-process tier on UNIT_WORKERS workers (pytest-xdist; its tests are independent and
+# mostly bound by the interpreter), then the tiers that start processes one test at a time (their ranks need the
+# cores, and some check how soon they exit). With PYTEST_ARGS: one plain pytest run of what they name.
+UNIT_WORKERS ?= 2
 pytest: $(STAMP)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(UNIT_WORKERS) tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/unit
+else
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+endif
 
 # The docs site in out/site; --strict fails on a broken link or anchor, or a page left out of the nav.
 docs: $(STAMP)
