@@ -29,6 +29,11 @@ autograd hand-off taken off (``cuda_clock.CHAIN = True``, [Note: chained runs]).
 mode) and prints its step against its own plan's prediction and against plain Lightning's step: where a step
 is host-bound, the captured graph autopart runs and the eager model plain Lightning runs differ in host time.
 
+``--own-data`` measures as issue 9 did: each step makes its batch from the case's data set (a ``DataLoader`` with
+the batch size, shuffled, no workers, as the examples' ``train_dataloader``) with the progress bar on, which
+reads the logged loss back every step; the prediction then prices the loader's time per batch, timed from the
+same data set ([Note: loader time], [Note: loader in the step]).
+
 The driver prints a markdown table (device, torch and Lightning versions in its header) and the worst cases;
 ``--json`` also writes every step time and every prediction's parts.
 """
@@ -226,13 +231,17 @@ def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool
     )
 
 
-def predict(case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory: int) -> dict[str, Any]:
-    """The one-stage, one-micro-batch plan's predicted step (ms) and peak bytes, profiled in ``mode``.
+def predict(
+    case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory: int, loader: Any = None
+) -> dict[str, Any]:
+    """The one-stage, one-micro-batch plan's predicted step (ms) and peak bytes, profiled in ``mode``, with
+    ``loader``'s time per batch (a :class:`LoaderCost`) in the step where given.
 
     "estimate" profiles a meta copy of the model, or a CPU one when the step or the loss fails on meta."""
     from lightning_autopart.cluster import Cluster
     from lightning_autopart.errors import PlanError
     from lightning_autopart.partition import partition
+    from lightning_autopart.profile.loader import with_loader
     from lightning_autopart.profile.records import cost_at
 
     on_meta, meta_error = mode == "estimate", None
@@ -245,6 +254,7 @@ def predict(case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory:
             raise
         on_meta, meta_error = False, f"{type(error).__name__}: {error}"
         prof = _profile(case, batch, mode, spec, on_meta)
+    prof = with_loader(prof, loader)
     cluster = Cluster.from_spec(spec, devices=1, device_memory=device_memory)
     fits = True
     try:
@@ -261,6 +271,7 @@ def predict(case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory:
             "forward": sum(c.fwd_us for c in at) / 1e3,
             "backward": sum(c.bwd_us for c in at) / 1e3,
             "optimizer": sum(b.optimizer_us for b in prof.blocks) / 1e3,
+            "data": p.data_us / 1e3,
         },
         # the host's time at the profiled batch (measure mode on CUDA; else 0), beside the device's phases
         "host_ms": {
@@ -381,6 +392,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", type=Path, default=None, help="also write every step time and prediction")
     parser.add_argument("--ops", action="store_true", help="also trace device time per op (in the json)")
     parser.add_argument("--autopart", action="store_true", help="also time autopart's one-stage step")
+    parser.add_argument("--own-data", action="store_true",
+                        help="make each batch from the case's data set in the step (a DataLoader, batch_size, "
+                        "shuffle, no workers) with the progress bar on, as issue 9 measured, and price it")
     parser.add_argument("--predict-only", metavar="SPEC", default=None,
                         help="no training: print estimate mode's predictions on device spec SPEC (any machine)")
     args = parser.parse_args(argv)
@@ -396,6 +410,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_autopart"):
         logging.getLogger(name).setLevel(logging.ERROR)
     from lightning_autopart.profile import resolve_spec
+    from lightning_autopart.profile.loader import time_loader
 
     cuda = args.accelerator == "gpu"
     if cuda:
@@ -407,13 +422,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for key in args.cases:
         case = chosen[key]
         data = _Batches(case.data(case.batch * POOL), case.batch, warmup + steps + 1)
-        measured = measure_run(case, data, accelerator=args.accelerator, warmup=warmup, steps=steps)
+        own, cost = None, None
+        if args.own_data:  # as the examples' train_dataloader: batches made in the step
+            own = DataLoader(case.data(case.batch * (warmup + steps + 2)), case.batch, shuffle=True, drop_last=True)
+            cost = time_loader(own, case.batch)
+        measured = measure_run(case, own or data, accelerator=args.accelerator, warmup=warmup, steps=steps)
         row: dict[str, Any] = {"case": case.name, "batch": case.batch, "optimizer": case.optimizer,
                                "precision": case.precision, "measured": measured}  # fmt: skip
         for mode in modes:
             serial, chain = mode == "measure-serial", mode == "measure-chained"
             with contextlib.redirect_stdout(sys.stderr), _spin(not serial, chain):
-                p = predict(case, data.pool[0], "measure" if serial or chain else mode, spec, memory)
+                p = predict(case, data.pool[0], "measure" if serial or chain else mode, spec, memory, cost)
             free_device(cuda)
             p["time_ratio"] = _ratio(p["step_ms"], measured["step_ms"])
             p["peak_ratio"] = _ratio(p["peak_bytes"], measured["peak_bytes"])
@@ -436,7 +455,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     header = (
         f"{_device_name(args.accelerator)}; torch {torch.__version__}, lightning {L.__version__}; spec {spec.name}; "
         f"{steps} timed steps after {warmup} warm-up; float32 matmul precision "
-        f"{torch.get_float32_matmul_precision()}"
+        f"{torch.get_float32_matmul_precision()}{'; batches made in the step' if args.own_data else ''}"
     )
     print(f"{header}\n\n{table(rows, modes)}")
     if args.json:

@@ -65,7 +65,7 @@ def free_device(cuda: bool) -> None:
 
 def _fit_plain(
     case: FidelityCase,
-    data: Dataset[Any],
+    data: Dataset[Any] | DataLoader[Any],
     accelerator: str,
     steps: int,
     callback: L.Callback,
@@ -73,7 +73,8 @@ def _fit_plain(
 ) -> Any:
     """Train ``case`` (built after seeding 0, with its optimizer) on one device for ``steps`` steps,
     ``callback`` watching, with plain Lightning (or ``strategy``); everything freed before and after.
-    Returns the strategy's plan, if it made one."""
+    ``data``: pre-made batches, or a loader that makes them each step (then with the progress bar on, as a
+    default Trainer has it). Returns the strategy's plan, if it made one."""
     cuda = accelerator == "gpu"
     free_device(cuda)
     torch.manual_seed(0)
@@ -87,13 +88,14 @@ def _fit_plain(
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=isinstance(data, DataLoader),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[callback],
     )
-    trainer.fit(model, DataLoader(data, batch_size=None, shuffle=False))
+    loader = data if isinstance(data, DataLoader) else DataLoader(data, batch_size=None, shuffle=False)
+    trainer.fit(model, loader)
     plan = getattr(trainer.strategy, "plan", None)
     del trainer, model
     free_device(cuda)
@@ -154,7 +156,7 @@ class PhaseClock(StepClock):
 
 
 def measure_run(
-    case: FidelityCase, data: Dataset[Any], *, accelerator: str, warmup: int, steps: int
+    case: FidelityCase, data: Dataset[Any] | DataLoader[Any], *, accelerator: str, warmup: int, steps: int
 ) -> dict[str, Any]:
     """Train ``case`` with plain Lightning; its median step (ms), raw peak bytes (GPU), every step time and the
     median forward, backward and optimizer phases (ms)."""

@@ -27,6 +27,7 @@ from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step
 from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan, with_planning_time
 from lightning_autopart.plan.report import WIDTH, print_plan, profiling_progress
 from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model
+from lightning_autopart.profile.loader import LoaderCost, time_loader
 from lightning_autopart.profile.loss import LossFn
 from lightning_autopart.profile.records import capture_fingerprint
 
@@ -228,9 +229,9 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
     model = _build_model(cfg.model, meta=estimate)
     step = _training_step(model, meta=estimate) if cfg.input_shape is None else None
     if step is not None:
-        root, inputs, loss, samples = step
+        root, inputs, loss, samples, loader = step
     else:
-        root, inputs, loss, samples = model, _example_inputs(cfg, model, meta=estimate), None, None
+        root, inputs, loss, samples, loader = model, _example_inputs(cfg, model, meta=estimate), None, None, None
     start = time.perf_counter()
     with profiling_progress(err) as progress:
         plan = plan_model(
@@ -250,6 +251,7 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
             dtype=None if cfg.precision in ("32", "32-true") else cfg.precision,
             loss=loss,
             loss_samples=samples,
+            loader=loader,
         )
     plan = with_planning_time(plan, time.perf_counter() - start)  # what the strategy's load_plan skips
     print_plan(plan, out)
@@ -335,15 +337,19 @@ def _build_model(spec: Namespace, *, meta: bool) -> nn.Module:
     return model
 
 
-def _training_step(model: nn.Module, *, meta: bool) -> tuple[nn.Module, Any, LossFn, int] | None:
+def _training_step(
+    model: nn.Module, *, meta: bool
+) -> tuple[nn.Module, Any, LossFn, int, LoaderCost | None] | None:
     """For a LightningModule with a ``train_dataloader``: the module its ``training_step`` calls, that call's
-    inputs on the first batch, the step's loss as a function of the module's output, and the batch's samples
-    (see [Note: the loss]); None for any other model (it plans from ``example_input_array`` alone)."""
-    loader, training_step = getattr(model, "train_dataloader", None), getattr(model, "training_step", None)
-    if not callable(loader) or not callable(training_step):
+    inputs on the first batch, the step's loss as a function of the module's output, the batch's samples (see
+    [Note: the loss]) and the loader's time per batch ([Note: loader time]); None for any other model (it plans
+    from ``example_input_array`` alone)."""
+    make, training_step = getattr(model, "train_dataloader", None), getattr(model, "training_step", None)
+    if not callable(make) or not callable(training_step):
         return None
     try:
-        batch = next(iter(loader()))
+        loader = make()
+        batch = next(iter(loader))
     except StopIteration:
         raise ConfigError(
             f"{type(model).__name__}.train_dataloader() yields no batch; give it data, or pass --input-shape"
@@ -355,7 +361,8 @@ def _training_step(model: nn.Module, *, meta: bool) -> tuple[nn.Module, Any, Los
     call = find_forward(model, lambda: training_step(batch, 0))
     root = model.get_submodule(call.name) if call.name else model
     samples = batch_size_of(batch)
-    return root, (call.args, call.kwargs), step_loss(model, call.name, batch, samples), samples
+    cost = time_loader(loader, samples)
+    return root, (call.args, call.kwargs), step_loss(model, call.name, batch, samples), samples, cost
 
 
 def _example_inputs(cfg: Namespace, model: nn.Module, *, meta: bool) -> Any:

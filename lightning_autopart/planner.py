@@ -13,6 +13,7 @@ from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec, device_spec_names
 from lightning_autopart.errors import CaptureError, ConfigError, ProfileError
 from lightning_autopart.plan import SCHEDULES, Plan
+from lightning_autopart.profile.loader import LoaderCost, with_loader
 from lightning_autopart.profile.records import ModelProfile
 
 if TYPE_CHECKING:
@@ -211,6 +212,7 @@ def plan_model(
     dtype: str | None = None,
     loss: LossFn | None = None,
     loss_samples: int | None = None,
+    loader: LoaderCost | None = None,
 ) -> Plan:
     """Plan ``model`` for ``cluster`` at global ``batch_size``: capture -> profile -> partition.
 
@@ -235,6 +237,8 @@ def plan_model(
         dtype: Training precision ("32-true", "bf16-mixed", "16-mixed", "bf16-true"; default: the parameters').
         loss: The training loss as a function of the model's output (see :func:`profile_model`).
         loss_samples: The most samples ``loss`` has labels for.
+        loader: The training loader's time per batch (:func:`~lightning_autopart.profile.loader.time_loader`),
+            priced in the step ([Note: loader in the step]); None prices no data loading.
 
     Blocks get cost curves up to the largest micro-batch a plan may use: the global batch in "estimate" (meta
     runs cost nothing); in "measure", the per-device share of it (what each rank would load, as the strategy
@@ -266,7 +270,7 @@ def plan_model(
         dtype=dtype,
     )
     plan = partition(
-        prof,
+        with_loader(prof, loader),
         cluster,
         batch_size,
         num_stages=num_stages,

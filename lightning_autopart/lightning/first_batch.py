@@ -64,6 +64,8 @@ class PlanSettings:
     precision: str | None = None
     #: Trainer(accumulate_grad_batches): above 1, gradients live through every step (priced as such).
     accumulate: int = 1
+    #: The training loader, whose batches rank 0 times when it plans ([Note: loader time]); None: not priced.
+    loader: Any = None
 
 
 def optimizer_kind(optimizers: Iterable[Any]) -> str:
@@ -83,8 +85,8 @@ def optimizer_kind(optimizers: Iterable[Any]) -> str:
     return worst
 
 
-def first_batch(trainer: Any, hook: str) -> Any:
-    """The first batch of the loop running ``hook`` (its first loader's, when it has several)."""
+def loop_loader(trainer: Any, hook: str) -> Any:
+    """The loader of the loop running ``hook`` (its first, when it has several); None when it has none."""
     loop = {
         "training_step": "fit_loop",
         "validation_step": "validate_loop",
@@ -93,9 +95,16 @@ def first_batch(trainer: Any, hook: str) -> Any:
     }[hook]
     loaders = getattr(trainer, loop)._data_source.dataloader()
     if isinstance(loaders, Mapping):
-        loaders = next(iter(loaders.values()), None)
-    elif isinstance(loaders, (list, tuple)):
-        loaders = loaders[0] if loaders else None
+        return next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0] if loaders else None
+    return loaders
+
+
+def first_batch(trainer: Any, hook: str, loader: Any = None) -> Any:
+    """The first batch of the loop running ``hook`` (its first loader's, when it has several), or of ``loader``,
+    that loop's loader when the caller has it already."""
+    loaders = loader if loader is not None else loop_loader(trainer, hook)
     name, call = _LOOPS[hook]
     if loaders is None:
         raise ConfigError(
@@ -263,6 +272,7 @@ def _make_plan(
     from lightning_autopart.partition import partition
     from lightning_autopart.planner import profile_model
     from lightning_autopart.profile import calibrate_cpu
+    from lightning_autopart.profile.loader import time_loader, with_loader
 
     if world_size % num_nodes:
         raise ConfigError(
@@ -292,6 +302,8 @@ def _make_plan(
         loss=loss,
         dtype=_profile_dtype(settings.precision),
     )
+    if settings.loader is not None and loss is not None:  # fitting: the step fetches a batch each time
+        prof = with_loader(prof, time_loader(settings.loader, local_batch))
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
         why = "".join(f"; {note}" for note in prof.meta.get("capture_notes", ()))
         raise ConfigError(

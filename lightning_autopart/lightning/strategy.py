@@ -30,7 +30,13 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.checkpoints import CHECKPOINT_MODES, CheckpointHooks, StageCheckpoints
 from lightning_autopart.lightning.environments import check_launched_world, refuse_mpi_without_mpi4py
 from lightning_autopart.lightning.faults import FaultGuard
-from lightning_autopart.lightning.first_batch import PlanSettings, first_batch, keep_local, optimizer_kind
+from lightning_autopart.lightning.first_batch import (
+    PlanSettings,
+    first_batch,
+    keep_local,
+    loop_loader,
+    optimizer_kind,
+)
 from lightning_autopart.lightning.input_checks import check_stages
 from lightning_autopart.lightning.meta_init import MetaInit
 from lightning_autopart.lightning.preemption import Preemption, SignalNames
@@ -40,6 +46,7 @@ from lightning_autopart.lightning.split import PARTITION_ATTRIBUTE, Partition, s
 from lightning_autopart.lightning.step_hooks import StepHooks
 from lightning_autopart.lightning.summary import summarize_whole_model
 from lightning_autopart.plan import SCHEDULES, Plan
+from lightning_autopart.profile.loader import generators_kept
 from lightning_autopart.runtime.materialize import check_initialisable, has_meta_tensors
 from lightning_autopart.runtime.runner import PipelineRunner, move_in_place
 
@@ -266,7 +273,8 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         self._checkpoints = StageCheckpoints(self.checkpoint, self.global_rank, self.world_size)
         self._checkpoints.record(lm, self.optimizers)
         # Plan and split where the model was built (the CPU, usually): only this rank's stage reaches the device.
-        self._part = self._adopt(getattr(lm, PARTITION_ATTRIBUTE, None)) or self._partition(trainer)
+        with generators_kept():  # the first batch, captures and profiles draw nothing training would see
+            self._part = self._adopt(getattr(lm, PARTITION_ATTRIBUTE, None)) or self._partition(trainer)
         check_even_batches(trainer, _STEP_HOOKS.get(str(trainer.state.fn), "training_step"), self._part.plan.replicas)
         lm.__dict__[PARTITION_ATTRIBUTE] = self._part
         # Lightning's ModelSummary runs the whole model on example_input_array at on_fit_start, which this rank
@@ -314,7 +322,10 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         init_rng = self._init_rng if self._init_rng is not None else torch.random.get_rng_state()
         hook = _STEP_HOOKS.get(str(trainer.state.fn), "training_step")
         home = next((p.device for p in lm.parameters()), torch.device("cpu"))
-        batch = self.precision_plugin.convert_input(self.batch_to_device(first_batch(trainer, hook), device=home))
+        loader = loop_loader(trainer, hook)
+        batch = self.precision_plugin.convert_input(
+            self.batch_to_device(first_batch(trainer, hook, loader), device=home)
+        )
         settings = PlanSettings(
             self.num_stages,
             self.micro_batches,
@@ -326,6 +337,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             optimizer=optimizer_kind(self.optimizers),
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             accumulate=trainer.accumulate_grad_batches,
+            loader=loader if trainer.state.fn == TrainerFn.FITTING else None,
         )
         with self.precision_plugin.forward_context():  # capture sees what the model will see (bf16-true...)
             return split_module(

@@ -80,10 +80,14 @@ def build_plan(
         peak_memory_bytes=ev.peak_memory_bytes,
         optimizer_us=v * bn.optimizer_us,
         host_us=v * mb * bn.host_us + cluster.step_host_us,
+        data_us=bn.data_us,
     )
     ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
     notes = dict(notes)
     notes["bottleneck_stage"] = ev.bottleneck
+    loader = profile.meta.get("loader")
+    if loader:
+        notes["loader"] = f"{loader['sample_us'] / 1e3:.3g} ms/sample, {loader['workers']} workers"
     if profile.mode == "estimate" and profile.meta.get("opaque_ops"):  # priced by their bytes alone
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
     if ckpt:

@@ -39,7 +39,8 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     C = F + Bw + h (host does the math: CPU) | max(F + Bw, h + G) (host runs ahead of the device)
     t = C + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
     a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
-    w = K * t + v * (a + O) + H,   K = v*M + S - 1,   H = step_us (0 where the host runs ahead)
+    w = max(K * t + v * (a + O) + H + D, D_w),   K = v*M + S - 1,   H = step_us (0 where the host runs ahead)
+    D, D_w = the loader's time for a replica's B/r samples without workers, 0 | 0, its time over W workers
 
 [Note: fresh gradients] ``fresh`` holds for a stage whose gradients do not exist while it holds its
 activations at their peak: one replica (replicas keep persistent all-reduce buckets), one chunk, gradients
@@ -60,6 +61,13 @@ inter-node per the rank layout (:mod:`.placement`). A device's peak memory is th
 (one chunk unless interleaved). Memory is compared in exact integer bytes (``v * memory <= usable``), so
 feasibility never depends on rounding.
 
+[Note: loader in the step] Every rank of a replica fetches the replica's ``B/r`` samples each step (the first
+stage its inputs, the last its targets). Without loader workers the training process makes the batch while the
+device waits (Lightning reads a logged value back once a step), so the time adds to every stage's term, ``D``;
+with ``W`` workers a batch comes every ``fetch / W`` at best, a floor on the step, ``D_w``. The fetch time is
+measured on this host ([Note: loader time] in :mod:`lightning_autopart.profile.loader`); a loader that was not
+timed (an iterable dataset, a profile made from shapes) adds nothing.
+
 [Note: host overhead] On CPU (gloo) the host runs every action itself: a 2-stage MLP step measured 23 ms against
 14 ms of math and messages priced, the rest being ~80 us of torch.distributed.pipelining bookkeeping and 0.2-0.3
 ms of gloo posting per action, the stage's math slowed by the other rank sharing the cores, and ~3-5 ms of
@@ -69,7 +77,8 @@ other ranks of the machine compute ([Note: planning under load] in :mod:`lightni
 Under the strategy, rank 0 and rank 1 also run a short synthetic pipeline sized like the model's stages, and
 ``action_us`` covers what its micro-batches took beyond their math and messages ([Note: pipeline probe] in
 :mod:`lightning_autopart.profile.pipeline_probe`).
-Lightning's own loop (data fetch, hooks, replayed ``self.log``) is the user's code and is not priced. GPU specs
+Lightning's own loop (hooks, replayed ``self.log``) is the user's code and is not priced; its data fetch is
+([Note: loader in the step]). GPU specs
 carry estimates (not measured on a GPU: a one-GPU machine runs no pipeline); there a micro-batch's host time
 counts only where it exceeds the device's, and the step's fixed work hides behind the queued kernels.
 
@@ -212,6 +221,9 @@ class ConfigCosts:
     host: float = 0.0
     host_adds: bool = False
     step_host: float = 0.0
+    #: The loader's time that adds to the step, and the least the step may take ([Note: loader in the step]).
+    data: float = 0.0
+    data_floor: float = 0.0
     #: Per virtual stage: its gradients do not exist at its activations' peak (see [Note: fresh gradients]).
     fresh: list[bool] = field(default_factory=list)
 
@@ -233,7 +245,8 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
-    cc.host_adds, cc.step_host = not cl.async_host, cl.step_host_us
+    cc.data, cc.data_floor = tables.loader_us(batch_size // r)
+    cc.host_adds, cc.step_host = not cl.async_host, cl.step_host_us + cc.data
     zero = [0.0] * (tables.num_blocks + 1)
     cc.host_fb, cc.host_f = (zero, zero) if cc.host_adds else (tables.host_fb, tables.host_f)
     if r == 1:
@@ -279,6 +292,8 @@ class StageCost:
     memory_bytes: int
     limit_bytes: int
     param_count: int
+    #: The loader's share of ``term_us``: its time without workers, or what its workers' pace adds.
+    data_us: float = 0.0
 
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
@@ -318,6 +333,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     a = cc.ar_coef[k] * grad + cc.ar_const[k] if cc.cfg.replicas > 1 else 0.0
     opt = tables.opt_us[j] - tables.opt_us[i] + tables.tied_optimizer_us(i, j)
     w = cc.ticks * t + v * (a + opt) + cc.step_host
+    data = cc.data
+    if w < cc.data_floor:
+        data, w = cc.data_floor - w, cc.data_floor
     buf = tables.buffers[j] - tables.buffers[i]
     return StageCost(
         index=k,
@@ -343,4 +361,5 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         memory_bytes=st + max(act + trans - d, y),
         limit_bytes=tables.usable // v,
         param_count=tables.counts[j] - tables.counts[i] + tn,
+        data_us=data,
     )

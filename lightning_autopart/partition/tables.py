@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.records import (
     ModelProfile,
     cost_at,
@@ -169,6 +170,8 @@ class CostTables:
         #: Gradients live through the whole step (accumulated over steps): none is ever fresh (see
         #: [Note: fresh gradients] in :mod:`.cost`).
         self.persistent_grads = persistent_grads
+        #: The training loader's time per batch, where it was timed ([Note: loader time] in loader.py).
+        self.loader = LoaderCost.from_meta(profile.meta.get("loader"))
         self._sizes: dict[int, SizeTables] = {}
         self._fb: dict[tuple[int, bool], list[float]] = {}
         self._pb_acc: dict[tuple[int, float], list[float]] = {}
@@ -201,6 +204,15 @@ class CostTables:
             )
             self._sizes[m] = got
         return got
+
+    def loader_us(self, samples: int) -> tuple[float, float]:
+        """The loader's share of a step whose replica takes ``samples`` per step: the time it adds (no workers)
+        and the least the step may take (its workers' pace); zeros where it was not timed ([Note: loader in
+        the step] in cost.py)."""
+        if self.loader is None:
+            return 0.0, 0.0
+        fetch = self.loader.fetch_us(samples)
+        return (fetch, 0.0) if self.loader.workers == 0 else (0.0, fetch / self.loader.workers)
 
     def times(self, m: int) -> tuple[list[float], list[float], float]:
         """Prefix sums of forward and backward time at ``m`` samples, and the largest ``f_k + b_k``."""

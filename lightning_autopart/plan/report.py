@@ -174,6 +174,7 @@ def _summary(plan: Plan) -> Table:
         ("all-reduce", p.allreduce_us),
         ("optimizer", p.optimizer_us),
         *([("host", p.host_us)] if p.host_us else []),
+        *([("data", p.data_us)] if p.data_us else []),
     ]
     shares = " + ".join(f"{name} {format_ms(us)}{_share(us, p.step_us)}" for name, us in parts)
     grid.add_row("Step time", Text.assemble((f"{format_ms(p.step_us)} ms", "bold"), f" = {shares}"))

@@ -67,3 +67,11 @@ def test_predict_only_needs_no_device_and_trains_nothing(capsys: pytest.CaptureF
     assert "spec h100-80gb" in table and f"| {CASE} |" in table
     (row,) = rows
     assert "measured" not in row and row["estimate"]["step_ms"] > 0 and row["estimate"]["on_meta"]
+
+
+def test_own_data_makes_batches_in_the_step_and_prices_them(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--tiny", "--accelerator", "cpu", "--cases", CASE, "--steps", "2", "--warmup", "1"]
+    (row,) = fidelity.main([*argv, "--modes", "estimate", "--own-data"])
+    assert "batches made in the step" in capsys.readouterr().out
+    assert row["estimate"]["phases_ms"]["data"] > 0 and row["estimate"]["prediction"]["data_us"] > 0
+    assert len(row["measured"]["steps_s"]) == 2

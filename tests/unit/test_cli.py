@@ -114,9 +114,11 @@ def test_config_file_gives_the_same_plan(
     code, _, err = run(["plan", "--config", str(config)], capsys)
     assert code == 0, err
     from_yaml, from_flags = Plan.load(tmp_path / "from-yaml.json"), Plan.load(plan_file)
-    assert dataclasses.replace(from_yaml, notes={}) == dataclasses.replace(
+    # notes: timings; the predicted time includes the loader's batches, timed in each run
+    assert from_yaml.prediction.data_us > 0 and from_flags.prediction.data_us > 0
+    assert dataclasses.replace(from_yaml, notes={}, prediction=from_flags.prediction) == dataclasses.replace(
         from_flags, notes={}
-    )  # notes: timings
+    )
 
 
 def test_module_entry_point_in_a_subprocess(plan_file: Path, tmp_path: Path) -> None:
@@ -294,8 +296,9 @@ def test_a_lightning_module_plans_from_its_first_batch_with_its_loss(
         model = GPT(vocab_size=1000, seq_len=16, d_model=32, n_layers=2, n_heads=2, batch_size=4, num_samples=8)
     found = _training_step(model, meta=True)
     assert found is not None
-    root, (args, _kwargs), loss, samples = found
+    root, (args, _kwargs), loss, samples, loader = found
     assert root is model and samples == 4 and args[0].shape == (4, 16) and args[0].device.type == "meta"
+    assert loader is not None and loader.samples == 4 and loader.workers == 0  # its batches are timed
     logits = torch.randn(4, 16, 1000, device="meta", requires_grad=True)
     assert loss(logits, 4).device.type == "meta"
     common = ["plan", "--model", "examples.gpt.GPT", "--model.init_args.vocab_size", "1000",

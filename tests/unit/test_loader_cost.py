@@ -1,0 +1,223 @@
+"""The training loader's time in the step ([Note: loader time], [Note: loader in the step]): timed from the
+loader's own dataset without disturbing training's data order or random draws, added to the step where the
+training process makes each batch, a floor on it where workers do."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+from lightning_autopart.partition import partition
+from lightning_autopart.partition.cost import Config, CostTables, config_costs
+from lightning_autopart.partition.dp import solve
+from lightning_autopart.partition.scoring import evaluate_config
+from lightning_autopart.plan.report import print_plan
+from lightning_autopart.profile.loader import LoaderCost, time_loader
+from tests.unit.test_cost import PROFILE, _cluster
+
+
+class Sleepy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Samples that take ``ms`` each to make, drawing from every global generator as augmentations do."""
+
+    def __init__(self, n: int, ms: float = 0.0) -> None:
+        self.n, self.ms = n, ms
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(index)
+        if self.ms:
+            time.sleep(self.ms / 1e3)
+        noise = torch.rand(()) + random.random() + float(np.random.rand())
+        return torch.full((4,), float(index)) + 0 * noise, torch.tensor(index)
+
+
+def _states() -> tuple[torch.Tensor, object, object]:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist()  # type: ignore[index]
+
+
+def test_a_batch_is_timed_from_the_dataset_at_its_first_indices() -> None:
+    data = Sleepy(100, ms=1.0)
+    cost = time_loader(DataLoader(data, batch_size=8, shuffle=True), samples=8, batches=3)
+    assert cost is not None and (cost.samples, cost.batches, cost.workers) == (8, 3, 0)
+    assert data.read == list(range(24))  # the sampler was not asked for an order
+    assert cost.sample_us >= 1000.0  # each sample sleeps 1 ms
+    assert cost.fetch_us(16) == pytest.approx(16 * cost.sample_us)
+
+
+def test_training_sees_the_same_order_and_draws_after_timing() -> None:
+    def epoch() -> tuple[list[int], tuple[torch.Tensor, object, object]]:
+        loader = DataLoader(Sleepy(40), batch_size=4, shuffle=True)
+        order = [int(i) for _, idx in loader for i in idx]
+        return order, _states()
+
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    plain = epoch()
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    before = _states()
+    assert time_loader(DataLoader(Sleepy(40), batch_size=4, shuffle=True), samples=4) is not None
+    after = _states()
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    timed = epoch()
+    assert plain[0] == timed[0] and torch.equal(plain[1][0], timed[1][0]) and plain[1][1:] == timed[1][1:]
+
+
+class Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (torch.zeros(2) for _ in range(4))
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [DataLoader(Stream(), batch_size=2), DataLoader(Sleepy(4), batch_size=None), [torch.zeros(2)]],
+    ids=["iterable", "no-batching", "a-list"],
+)
+def test_a_loader_that_cannot_be_read_aside_is_not_timed(loader: object) -> None:
+    assert time_loader(loader, samples=2) is None
+
+
+class Broken(Sleepy):
+    """Samples from ``bad`` on fail to load."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index >= self.bad:
+            raise OSError(f"sample {index} is unreadable")
+        return super().__getitem__(index)
+
+
+def test_a_sample_that_fails_to_load_is_left_to_training() -> None:
+    assert time_loader(DataLoader(Broken(8, bad=0), batch_size=2), samples=2) is None  # the first batch fails
+    cost = time_loader(DataLoader(Broken(8, bad=3), batch_size=2), samples=2, batches=3)  # the second one does
+    assert cost is not None and cost.batches == 1
+
+
+def test_workers_are_recorded_and_samples_capped_by_the_dataset() -> None:
+    cost = time_loader(DataLoader(Sleepy(5), batch_size=4, num_workers=2), samples=64, batches=2)
+    assert cost is not None and (cost.workers, cost.samples) == (2, 5)
+    assert LoaderCost.from_meta(cost.as_meta()) == cost and LoaderCost.from_meta(None) is None
+
+
+def _with_loader(sample_us: float, workers: int) -> CostTables:
+    meta = {**PROFILE.meta, "loader": LoaderCost(sample_us, workers, 4, 3).as_meta()}
+    return CostTables(dataclasses.replace(PROFILE, meta=meta), _cluster())
+
+
+def test_without_workers_the_batch_adds_to_every_stage_of_the_step() -> None:
+    cfg, bounds = Config(2, 2, 2, "1F1B"), (0, 2, 3)
+    bare = evaluate_config(CostTables(PROFILE, _cluster()), cfg, 8, bounds)
+    fed = evaluate_config(_with_loader(50.0, 0), cfg, 8, bounds)
+    # each replica fetches its 8 / 2 = 4 samples every step
+    for a, b in zip(bare.stages, fed.stages, strict=True):
+        assert b.term_us == pytest.approx(a.term_us + 200.0) and b.data_us == pytest.approx(200.0)
+    assert fed.step_us == pytest.approx(bare.step_us + 200.0)
+
+
+def test_workers_bound_the_step_from_below() -> None:
+    cfg, bounds = Config(1, 2, 4, "GPipe"), (0, 2, 3)
+    bare = evaluate_config(CostTables(PROFILE, _cluster()), cfg, 4, bounds)
+    slow = 4 * bare.step_us  # per sample: the 4-sample batch takes 4 steps' time on one worker
+    assert evaluate_config(_with_loader(slow / 4, 4), cfg, 4, bounds).step_us == pytest.approx(bare.step_us)
+    two = evaluate_config(_with_loader(slow / 4, 2), cfg, 4, bounds)
+    assert two.step_us == pytest.approx(2 * bare.step_us)
+    assert two.stages[two.bottleneck].data_us == pytest.approx(bare.step_us)
+
+
+@pytest.mark.parametrize(("sample_us", "workers"), [(40.0, 0), (600.0, 1), (90.0, 2)])
+def test_the_dp_finds_the_brute_force_optimum_with_a_loader(sample_us: float, workers: int) -> None:
+    tables = _with_loader(sample_us, workers)
+    for cfg in (Config(1, 2, 4, "GPipe"), Config(2, 2, 2, "1F1B"), Config(1, 3, 2, "1F1B")):
+        cc = config_costs(tables, cfg, 8)
+        got = solve(tables, cc)
+        n, nv = tables.num_blocks, cfg.virtual_stages
+        brute = min(
+            evaluate_config(tables, cfg, 8, (0, *cut, n)).step_us
+            for cut in itertools.combinations(range(1, n), nv - 1)
+        )
+        assert got is not None and got[0] == pytest.approx(brute)
+
+
+def test_the_plan_shows_the_loaders_part_of_the_step() -> None:
+    meta = {**PROFILE.meta, "loader": LoaderCost(250.0, 0, 4, 3).as_meta()}
+    prof = dataclasses.replace(PROFILE, meta=meta)
+    plan = partition(prof, _cluster(), 4, num_stages=2, replicas=1, micro_batches=4, schedules=["GPipe"])
+    p = plan.prediction
+    assert p.data_us == pytest.approx(1000.0)
+    parts = p.compute_us + p.bubble_us + p.p2p_us + p.allreduce_us + p.optimizer_us + p.host_us + p.data_us
+    assert parts == pytest.approx(p.step_us)
+    assert plan.notes["loader"] == "0.25 ms/sample, 0 workers"
+    console = Console(record=True, width=200)
+    print_plan(plan, console)
+    assert "data 1.00" in console.export_text()
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Regression samples whose inputs get noise from torch's global generator (an augmentation)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(index)
+        x = torch.randn(6, generator=g)
+        return x + 0.1 * torch.randn(6), x.sum(0, keepdim=True)
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        loss = F.mse_loss(self(batch[0]), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(Noisy(), batch_size=4, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit(strategy: object) -> Regression:
+    torch.manual_seed(7)
+    model = Regression()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=6, logger=False,  # type: ignore[arg-type]
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,  # the loader as given: its order drawn from torch's global generator
+    )  # fmt: skip
+    trainer.fit(model)
+    return model
+
+
+@pytest.mark.usefixtures("master_port")
+def test_the_strategy_prices_its_loader_and_training_draws_the_same_data() -> None:
+    strategy = AutoPartitionStrategy(num_stages=1, micro_batches=1, profile="estimate")
+    got = _fit(strategy)
+    assert strategy.plan is not None and strategy.plan.prediction.data_us > 0
+    assert strategy.plan.notes["loader"].endswith("ms/sample, 0 workers")
+    torch.distributed.destroy_process_group()
+    assert got.losses == pytest.approx(_fit("auto").losses, rel=1e-5)  # same order, same noise
