@@ -206,13 +206,15 @@ class CostTables:
         return got
 
     def loader_us(self, samples: int) -> tuple[float, float]:
-        """The loader's share of a step whose replica takes ``samples`` per step: the time it adds (no workers)
-        and the least the step may take (its workers' pace); zeros where it was not timed ([Note: loader in
-        the step] in cost.py)."""
+        """The loader's share of a step whose replica takes ``samples`` per step: the time it adds (no workers,
+        or workers sharing the cores of a host that does the math) and the least the step may take (its
+        workers' pace); zeros where it was not timed ([Note: loader in the step] in cost.py)."""
         if self.loader is None:
             return 0.0, 0.0
         fetch = self.loader.fetch_us(samples)
-        return (fetch, 0.0) if self.loader.workers == 0 else (0.0, fetch / self.loader.workers)
+        if self.loader.workers == 0 or not self.cluster.async_host:
+            return fetch, 0.0
+        return 0.0, fetch / self.loader.workers
 
     def times(self, m: int) -> tuple[list[float], list[float], float]:
         """Prefix sums of forward and backward time at ``m`` samples, and the largest ``f_k + b_k``."""

@@ -115,9 +115,10 @@ def test_workers_are_recorded_and_samples_capped_by_the_dataset() -> None:
     assert LoaderCost.from_meta(cost.as_meta()) == cost and LoaderCost.from_meta(None) is None
 
 
-def _with_loader(sample_us: float, workers: int) -> CostTables:
+def _with_loader(sample_us: float, workers: int, async_host: bool = True) -> CostTables:
     meta = {**PROFILE.meta, "loader": LoaderCost(sample_us, workers, 4, 3).as_meta()}
-    return CostTables(dataclasses.replace(PROFILE, meta=meta), _cluster())
+    cluster = dataclasses.replace(_cluster(), async_host=async_host)
+    return CostTables(dataclasses.replace(PROFILE, meta=meta), cluster)
 
 
 def test_without_workers_the_batch_adds_to_every_stage_of_the_step() -> None:
@@ -138,6 +139,10 @@ def test_workers_bound_the_step_from_below() -> None:
     two = evaluate_config(_with_loader(slow / 4, 2), cfg, 4, bounds)
     assert two.step_us == pytest.approx(2 * bare.step_us)
     assert two.stages[two.bottleneck].data_us == pytest.approx(bare.step_us)
+    # where the host does the math, the workers share its cores: their batch adds as with none
+    shared = evaluate_config(_with_loader(slow / 4, 2, async_host=False), cfg, 4, bounds)
+    alone = evaluate_config(_with_loader(slow / 4, 0, async_host=False), cfg, 4, bounds)
+    assert shared.step_us == pytest.approx(alone.step_us) and shared.step_us > 2 * bare.step_us
 
 
 @pytest.mark.parametrize(("sample_us", "workers"), [(40.0, 0), (600.0, 1), (90.0, 2)])
