@@ -76,6 +76,24 @@ def test_training_sees_the_same_order_and_draws_after_timing() -> None:
     assert plain[0] == timed[0] and torch.equal(plain[1][0], timed[1][0]) and plain[1][1:] == timed[1][1:]
 
 
+class Batched(Sleepy):
+    """A dataset that reads a batch at once (``__getitems__``, as Hugging Face datasets do)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.batches: list[list[int]] = []
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.batches.append(list(indices))
+        return [Sleepy.__getitem__(self, i) for i in indices]
+
+
+def test_a_dataset_that_reads_batches_is_read_so() -> None:
+    data = Batched(10)
+    cost = time_loader(DataLoader(data, batch_size=4), samples=4, batches=2)
+    assert cost is not None and data.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 class Stream(IterableDataset[torch.Tensor]):
     def __iter__(self):  # type: ignore[no-untyped-def]
         return (torch.zeros(2) for _ in range(4))
