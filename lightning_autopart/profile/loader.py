@@ -13,10 +13,14 @@ time over ``W``.
 :func:`time_loader` makes batches as the loader would, from the dataset and collate function it holds, at
 indices ``0, 1, ...`` (the sampler is not touched, so shuffling draws the same order in training). torch's,
 Python's and NumPy's global generators are restored afterwards: a dataset that draws augmentations from them
-leaves training's draws unchanged. An iterable dataset cannot be read without consuming it, so it is not
-timed (None), nor is a dataset whose first sample fails to load: the error is training's to report, at the
-sample training reads. The cost model adds ``fetch_us(samples)`` per step with no workers, or bounds the step below by
-``fetch_us(samples) / workers`` ([Note: loader in the step] in ``partition/cost.py``).
+leaves training's draws unchanged. A batch counts its wall time (reads from disk wait, and count) less the time
+its thread waited for a core (Linux's ``/proc/thread-self/schedstat``), and the quickest batch counts: other
+work on the machine while the plan is made stretches the wall clock, not the batch (tests running beside it
+made the examples' image batches take 9x longer), and a first, cold batch is no typical one. An iterable
+dataset cannot be read without consuming it, so it is not timed (None), nor is a dataset whose first sample
+fails to load: the error is training's to report, at the sample training reads. The cost model adds
+``fetch_us(samples)`` per step with no workers, or bounds the step below by ``fetch_us(samples) / workers``
+([Note: loader in the step] in ``partition/cost.py``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,15 @@ def generators_kept() -> Iterator[None]:
                 numpy.random.set_state(np_state)
 
 
+def _queued_s() -> float:
+    """Seconds this thread has waited for a core so far (0 where the kernel does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def time_loader(loader: Any, samples: int, batches: int = 3) -> LoaderCost | None:
     """Time ``batches`` batches of ``samples`` samples made from ``loader``'s dataset and collate function, as its
     training process (or each worker) makes them ([Note: loader time]); None for a loader that is not a
@@ -110,20 +123,18 @@ def time_loader(loader: Any, samples: int, batches: int = 3) -> LoaderCost | Non
         for _ in range(max(1, batches)):
             indices = [(start + i) % size for i in range(samples)]
             start += samples
-            t0 = time.perf_counter()
+            t0, q0 = time.perf_counter(), _queued_s()
             try:  # as DataLoader's fetcher does: a batched read where the dataset has one
                 getitems = getattr(dataset, "__getitems__", None)
                 collate(getitems(indices) if getitems else [dataset[i] for i in indices])
             except Exception:  # a sample training may never read, or reads later: its error belongs there
                 break
-            times.append(time.perf_counter() - t0)
+            times.append(max(0.0, time.perf_counter() - t0 - (_queued_s() - q0)))
             if len(times) >= 2 and time.perf_counter() - begun > _BUDGET_S:
                 break
     if not times:
         return None
-    times.sort()
-    typical = times[len(times) // 2]  # the median: a first, cold batch does not set it
-    return LoaderCost(typical * 1e6 / samples, int(loader.num_workers), samples, len(times))
+    return LoaderCost(min(times) * 1e6 / samples, int(loader.num_workers), samples, len(times))
 
 
 def with_loader(profile: ModelProfile, cost: LoaderCost | None) -> ModelProfile:

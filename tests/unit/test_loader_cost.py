@@ -24,6 +24,7 @@ from lightning_autopart.partition.cost import Config, CostTables, config_costs
 from lightning_autopart.partition.dp import solve
 from lightning_autopart.partition.scoring import evaluate_config
 from lightning_autopart.plan.report import print_plan
+from lightning_autopart.profile import loader as loader_module
 from lightning_autopart.profile.loader import LoaderCost, time_loader
 from tests.unit.test_cost import PROFILE, _cluster
 
@@ -57,6 +58,14 @@ def test_a_batch_is_timed_from_the_dataset_at_its_first_indices() -> None:
     assert data.read == list(range(24))  # the sampler was not asked for an order
     assert cost.sample_us >= 1000.0  # each sample sleeps 1 ms
     assert cost.fetch_us(16) == pytest.approx(16 * cost.sample_us)
+
+
+def test_time_spent_waiting_for_a_core_is_not_the_loaders(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits = itertools.count()  # each batch's thread waits 15 ms for a core (as a busy machine makes it)
+    monkeypatch.setattr(loader_module, "_queued_s", lambda: 0.015 * ((next(waits) + 1) // 2))
+    cost = time_loader(DataLoader(Sleepy(8, ms=10.0), batch_size=2), samples=2, batches=3)
+    assert cost is not None
+    assert 2_000 <= cost.sample_us < 9_000  # (20 ms asleep - 15 ms queued) / 2 samples, not 10 ms a sample
 
 
 def test_training_sees_the_same_order_and_draws_after_timing() -> None:
