@@ -179,7 +179,7 @@ def solve_memory(
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
-    prev[0] = cc.data_floor  # no stage is quicker than the loader's workers ([Note: loader in the step])
+    prev[0] = 0.0
     args: list[list[int]] = []
     plo, phi = 0, 0
     for s in range(1, nv + 1):

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.partition import partition
 from lightning_autopart.partition.cost import Config, CostTables, config_costs
-from lightning_autopart.partition.dp import solve
+from lightning_autopart.partition.dp import solve, solve_memory
 from lightning_autopart.partition.scoring import evaluate_config
 from lightning_autopart.plan.report import print_plan
 from lightning_autopart.profile import loader as loader_module
@@ -184,6 +184,13 @@ def test_the_dp_finds_the_brute_force_optimum_with_a_loader(sample_us: float, wo
             for cut in itertools.combinations(range(1, n), nv - 1)
         )
         assert got is not None and got[0] == pytest.approx(brute)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_memory_search_does_not_see_the_loader(workers: int) -> None:
+    bare, fed = CostTables(PROFILE, _cluster()), _with_loader(500.0, workers)
+    for cfg in (Config(1, 2, 4, "GPipe"), Config(1, 3, 2, "1F1B")):
+        assert solve_memory(fed, config_costs(fed, cfg, 8)) == solve_memory(bare, config_costs(bare, cfg, 8))
 
 
 def test_the_plan_shows_the_loaders_part_of_the_step() -> None:
