@@ -96,7 +96,7 @@ def _queued_s() -> float:
         return 0.0
 
 
-def time_loader(loader: Any, samples: int, batches: int = 3) -> LoaderCost | None:
+def time_loader(loader: Any, samples: int, batches: int = 5) -> LoaderCost | None:
     """Time ``batches`` batches of ``samples`` samples made from ``loader``'s dataset and collate function, as its
     training process (or each worker) makes them ([Note: loader time]); None for a loader that is not a
     map-style ``DataLoader`` with automatic batching, or whose dataset is empty."""
