@@ -101,10 +101,8 @@ def loop_loader(trainer: Any, hook: str) -> Any:
     return loaders
 
 
-def first_batch(trainer: Any, hook: str, loader: Any = None) -> Any:
-    """The first batch of the loop running ``hook`` (its first loader's, when it has several), or of ``loader``,
-    that loop's loader when the caller has it already."""
-    loaders = loader if loader is not None else loop_loader(trainer, hook)
+def first_batch(loaders: Any, hook: str) -> Any:
+    """The first batch of ``loaders``, the loader of the loop running ``hook`` (:func:`loop_loader`)."""
     name, call = _LOOPS[hook]
     if loaders is None:
         raise ConfigError(

@@ -323,9 +323,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         hook = _STEP_HOOKS.get(str(trainer.state.fn), "training_step")
         home = next((p.device for p in lm.parameters()), torch.device("cpu"))
         loader = loop_loader(trainer, hook)
-        batch = self.precision_plugin.convert_input(
-            self.batch_to_device(first_batch(trainer, hook, loader), device=home)
-        )
+        batch = self.precision_plugin.convert_input(self.batch_to_device(first_batch(loader, hook), device=home))
         settings = PlanSettings(
             self.num_stages,
             self.micro_batches,

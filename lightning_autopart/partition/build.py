@@ -10,6 +10,7 @@ from lightning_autopart.partition.cost import CostTables
 from lightning_autopart.partition.placement import stage_ranks
 from lightning_autopart.partition.scoring import Evaluation
 from lightning_autopart.plan import Plan, Prediction, StagePlan
+from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.records import ModelProfile
 
 __all__ = ["build_plan", "infeasible_error", "memory_table"]
@@ -85,9 +86,9 @@ def build_plan(
     ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
     notes = dict(notes)
     notes["bottleneck_stage"] = ev.bottleneck
-    loader = profile.meta.get("loader")
-    if loader:
-        notes["loader"] = f"{loader['sample_us'] / 1e3:.3g} ms/sample, {loader['workers']} workers"
+    loader = LoaderCost.from_meta(profile.meta.get("loader"))
+    if loader is not None:
+        notes["loader"] = f"{loader.sample_us / 1e3:.3g} ms/sample, {loader.workers} workers"
     if profile.mode == "estimate" and profile.meta.get("opaque_ops"):  # priced by their bytes alone
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
     if ckpt:

@@ -31,12 +31,6 @@ __all__ = ["profile", "resolve_spec"]
 _MODES = ("measure", "estimate")
 
 
-def _cuda_spec(device: torch.device) -> DeviceSpec:
-    """The named spec of a CUDA device where it is that part, else one derived from its reported clocks and
-    memory bus ([Note: derived device specs])."""
-    return local_cuda_spec(torch.cuda.get_device_properties(device))
-
-
 def resolve_spec(spec: str | DeviceSpec | None, device: torch.device | None = None) -> DeviceSpec:
     """A spec object from a name ("cpu" means :func:`calibrate_cpu`), or the one matching ``device`` if None.
 
@@ -46,7 +40,9 @@ def resolve_spec(spec: str | DeviceSpec | None, device: torch.device | None = No
     if isinstance(spec, DeviceSpec):
         return spec
     if spec is None:
-        return _cuda_spec(device) if device is not None and device.type == "cuda" else calibrate_cpu()
+        if device is not None and device.type == "cuda":  # [Note: derived device specs] in cuda_spec.py
+            return local_cuda_spec(torch.cuda.get_device_properties(device))
+        return calibrate_cpu()
     if spec.strip().lower() == "cpu":
         return calibrate_cpu()
     return device_spec(spec)
