@@ -129,7 +129,9 @@ def time_loader(loader: Any, samples: int, batches: int = 5) -> LoaderCost | Non
                 collate(getitems(indices) if getitems else [dataset[i] for i in indices])
             except Exception:  # a sample training may never read, or reads later: its error belongs there
                 break
-            times.append(max(0.0, time.perf_counter() - t0 - (_queued_s() - q0)))
+            q1 = _queued_s()  # before the clock: a wait between the two reads then counts as the batch's time,
+            t1 = time.perf_counter()  # where the other order would take it off a batch that never waited
+            times.append(max(0.0, t1 - t0 - (q1 - q0)))
             if len(times) >= 2 and time.perf_counter() - begun > _BUDGET_S:
                 break
     if not times:

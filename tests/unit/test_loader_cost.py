@@ -68,6 +68,30 @@ def test_time_spent_waiting_for_a_core_is_not_the_loaders(monkeypatch: pytest.Mo
     assert 2_000 <= cost.sample_us < 9_000  # (20 ms asleep - 15 ms queued) / 2 samples, not 10 ms a sample
 
 
+def test_a_wait_between_the_last_two_reads_is_not_taken_off_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread put off its core between reading the clock and its run-queue wait: taking that wait off the
+    batch priced a loaded machine's batches at 0 (seen under two test workers on two cores)."""
+    clock = {"now": 0.0, "queued": 0.0}
+    reads = itertools.count()
+
+    def queued() -> float:
+        if next(reads) % 2:  # each batch's second read: its thread waits 50 ms for a core just before it
+            clock["now"] += 0.05
+            clock["queued"] += 0.05
+        return clock["queued"]
+
+    monkeypatch.setattr(loader_module, "_queued_s", queued)
+    monkeypatch.setattr(loader_module.time, "perf_counter", lambda: clock["now"])
+
+    class Work(Sleepy):
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            clock["now"] += 0.001  # 1 ms of work a sample
+            return super().__getitem__(index)
+
+    cost = time_loader(DataLoader(Work(8), batch_size=2), samples=2, batches=3)
+    assert cost is not None and cost.sample_us >= 1_000.0
+
+
 def test_training_sees_the_same_order_and_draws_after_timing() -> None:
     def epoch() -> tuple[list[int], tuple[torch.Tensor, object, object]]:
         loader = DataLoader(Sleepy(40), batch_size=4, shuffle=True)
