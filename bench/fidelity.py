@@ -32,7 +32,9 @@ is host-bound, the captured graph autopart runs and the eager model plain Lightn
 ``--own-data`` measures as issue 9 did: each step makes its batch from the case's data set (a ``DataLoader`` with
 the batch size, shuffled, no workers, as the examples' ``train_dataloader``) with the progress bar on, which
 reads the logged loss back every step; the prediction then prices the loader's time per batch, timed from the
-same data set ([Note: loader time], [Note: loader in the step]).
+same data set ([Note: loader time], [Note: loader in the step]). ``--own-data quiet`` turns the progress bar
+off: nothing reads a value back, the host makes the next batch while the device computes, and the
+prediction's loop reads back what the step's own code reads ([Note: reads back]).
 
 The driver prints a markdown table (device, torch and Lightning versions in its header) and the worst cases;
 ``--json`` also writes every step time and every prediction's parts.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -207,7 +210,8 @@ def cases(tiny: bool = False) -> dict[str, FidelityCase]:
     }
 
 
-def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool) -> Any:
+def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool) -> tuple[Any, Any]:
+    """The case's profile and its loss (whose ``reads`` say what the step reads back)."""
     from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
     from lightning_autopart.planner import meta_inputs, profile_model
 
@@ -219,41 +223,54 @@ def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool
     call = find_forward(lm, lambda: lm.training_step(batch, 0))
     root = lm.get_submodule(call.name) if call.name else lm
     size = batch_size_of(batch)
-    return profile_model(
+    loss = step_loss(lm, call.name, batch, size)
+    prof = profile_model(
         root,
         (call.args, call.kwargs),
         profile=mode,
         spec=spec,
         optimizer=case.optimizer,
         up_to=size,
-        loss=step_loss(lm, call.name, batch, size),
+        loss=loss,
         dtype=case.precision,
     )
+    return prof, loss
 
 
 def predict(
-    case: FidelityCase, batch: Any, mode: str, spec: Any, device_memory: int, loader: Any = None
+    case: FidelityCase,
+    batch: Any,
+    mode: str,
+    spec: Any,
+    device_memory: int,
+    loader: Any = None,
+    progress_bar: bool = True,
 ) -> dict[str, Any]:
     """The one-stage, one-micro-batch plan's predicted step (ms) and peak bytes, profiled in ``mode``, with
-    ``loader``'s time per batch (a :class:`LoaderCost`) in the step where given.
+    ``loader``'s time per batch (a :class:`LoaderCost`) in the step where given, under a loop with or without
+    the progress bar and no logger ([Note: reads back]).
 
     "estimate" profiles a meta copy of the model, or a CPU one when the step or the loss fails on meta."""
     from lightning_autopart.cluster import Cluster
     from lightning_autopart.errors import PlanError
     from lightning_autopart.partition import partition
     from lightning_autopart.profile.loader import with_loader
+    from lightning_autopart.profile.readback import LoopFacts, readback_every, reads_of
     from lightning_autopart.profile.records import cost_at
 
     on_meta, meta_error = mode == "estimate", None
     try:
-        prof = _profile(case, batch, mode, spec, on_meta)
+        prof, loss = _profile(case, batch, mode, spec, on_meta)
         if on_meta and "loss_error" in prof.meta:
             raise RuntimeError(prof.meta["loss_error"])
     except Exception as error:
         if not on_meta:
             raise
         on_meta, meta_error = False, f"{type(error).__name__}: {error}"
-        prof = _profile(case, batch, mode, spec, on_meta)
+        prof, loss = _profile(case, batch, mode, spec, on_meta)
+    if loader is not None:
+        loop = LoopFacts(progress_every=int(progress_bar), log_every=0)
+        loader = dataclasses.replace(loader, readback_every=readback_every(reads_of(loss), loop))
     prof = with_loader(prof, loader)
     cluster = Cluster.from_spec(spec, devices=1, device_memory=device_memory)
     fits = True
@@ -289,6 +306,7 @@ def predict(
         "loss_error": prof.meta.get("loss_error"),
         "num_blocks": prof.num_blocks,
         "prediction": asdict(p),
+        "loader": plan.notes.get("loader"),
     }
 
 
@@ -392,9 +410,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", type=Path, default=None, help="also write every step time and prediction")
     parser.add_argument("--ops", action="store_true", help="also trace device time per op (in the json)")
     parser.add_argument("--autopart", action="store_true", help="also time autopart's one-stage step")
-    parser.add_argument("--own-data", action="store_true",
+    parser.add_argument("--own-data", nargs="?", const="bar", choices=["bar", "quiet"], default=None,
                         help="make each batch from the case's data set in the step (a DataLoader, batch_size, "
-                        "shuffle, no workers) with the progress bar on, as issue 9 measured, and price it")
+                        "shuffle, no workers) with the progress bar on, as issue 9 measured, and price it; "
+                        "'quiet': with the progress bar off")
     parser.add_argument("--predict-only", metavar="SPEC", default=None,
                         help="no training: print estimate mode's predictions on device spec SPEC (any machine)")
     args = parser.parse_args(argv)
@@ -426,13 +445,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.own_data:  # as the examples' train_dataloader: batches made in the step
             own = DataLoader(case.data(case.batch * (warmup + steps + 2)), case.batch, shuffle=True, drop_last=True)
             cost = time_loader(own, case.batch)
-        measured = measure_run(case, own or data, accelerator=args.accelerator, warmup=warmup, steps=steps)
+        bar = args.own_data != "quiet"
+        measured = measure_run(
+            case, own or data, accelerator=args.accelerator, warmup=warmup, steps=steps, progress_bar=bool(own) and bar
+        )
         row: dict[str, Any] = {"case": case.name, "batch": case.batch, "optimizer": case.optimizer,
                                "precision": case.precision, "measured": measured}  # fmt: skip
         for mode in modes:
             serial, chain = mode == "measure-serial", mode == "measure-chained"
             with contextlib.redirect_stdout(sys.stderr), _spin(not serial, chain):
-                p = predict(case, data.pool[0], "measure" if serial or chain else mode, spec, memory, cost)
+                p = predict(case, data.pool[0], "measure" if serial or chain else mode, spec, memory, cost, bar)
             free_device(cuda)
             p["time_ratio"] = _ratio(p["step_ms"], measured["step_ms"])
             p["peak_ratio"] = _ratio(p["peak_bytes"], measured["peak_bytes"])
@@ -455,13 +477,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     header = (
         f"{_device_name(args.accelerator)}; torch {torch.__version__}, lightning {L.__version__}; spec {spec.name}; "
         f"{steps} timed steps after {warmup} warm-up; float32 matmul precision "
-        f"{torch.get_float32_matmul_precision()}{'; batches made in the step' if args.own_data else ''}"
+        f"{torch.get_float32_matmul_precision()}{_own_data(args.own_data)}"
     )
     print(f"{header}\n\n{table(rows, modes)}")
     if args.json:
         args.json.write_text(json.dumps({"header": header, "goals": {f"{m} {k}": g for (m, k), g in GOALS.items()},
                                          "rows": rows}, indent=1))  # fmt: skip
     return rows
+
+
+def _own_data(kind: str | None) -> str:
+    """The table header's words for ``--own-data``."""
+    if kind is None:
+        return ""
+    return "; batches made in the step, progress bar " + ("off" if kind == "quiet" else "on")
 
 
 if __name__ == "__main__":

@@ -70,11 +70,13 @@ def _fit_plain(
     steps: int,
     callback: L.Callback,
     strategy: Any = "auto",
+    progress_bar: bool | None = None,
 ) -> Any:
     """Train ``case`` (built after seeding 0, with its optimizer) on one device for ``steps`` steps,
     ``callback`` watching, with plain Lightning (or ``strategy``); everything freed before and after.
     ``data``: pre-made batches, or a loader that makes them each step (then with the progress bar on, as a
-    default Trainer has it). Returns the strategy's plan, if it made one."""
+    default Trainer has it, unless ``progress_bar`` says otherwise). Returns the strategy's plan, if it made
+    one."""
     cuda = accelerator == "gpu"
     free_device(cuda)
     torch.manual_seed(0)
@@ -88,7 +90,7 @@ def _fit_plain(
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=isinstance(data, DataLoader),
+        enable_progress_bar=isinstance(data, DataLoader) if progress_bar is None else progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
@@ -156,7 +158,13 @@ class PhaseClock(StepClock):
 
 
 def measure_run(
-    case: FidelityCase, data: Dataset[Any] | DataLoader[Any], *, accelerator: str, warmup: int, steps: int
+    case: FidelityCase,
+    data: Dataset[Any] | DataLoader[Any],
+    *,
+    accelerator: str,
+    warmup: int,
+    steps: int,
+    progress_bar: bool | None = None,
 ) -> dict[str, Any]:
     """Train ``case`` with plain Lightning; its median step (ms), raw peak bytes (GPU), every step time and the
     median forward, backward and optimizer phases (ms)."""
@@ -164,7 +172,7 @@ def measure_run(
     free_device(cuda)
     before = torch.cuda.memory_allocated() if cuda else 0
     clock = PhaseClock(warmup, steps, cuda)
-    _fit_plain(case, data, accelerator, warmup + steps + 1, clock)
+    _fit_plain(case, data, accelerator, warmup + steps + 1, clock, progress_bar=progress_bar)
     seconds = clock.step_seconds()
     if len(seconds) != steps:
         raise RuntimeError(f"{case.name}: timed {len(seconds)} steps, expected {steps}")

@@ -29,6 +29,7 @@ from lightning_autopart.plan.report import WIDTH, print_plan, profiling_progress
 from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model
 from lightning_autopart.profile.loader import LoaderCost, time_loader
 from lightning_autopart.profile.loss import LossFn
+from lightning_autopart.profile.readback import LoopFacts
 from lightning_autopart.profile.records import capture_fingerprint
 
 __all__ = ["build_parser", "main"]
@@ -252,6 +253,7 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
             loss=loss,
             loss_samples=samples,
             loader=loader,
+            loop=LoopFacts(scaler=cfg.precision == "16-mixed"),  # a default Trainer's progress bar and logger
         )
     plan = with_planning_time(plan, time.perf_counter() - start)  # what the strategy's load_plan skips
     print_plan(plan, out)

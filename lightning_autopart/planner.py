@@ -14,6 +14,7 @@ from lightning_autopart.devices import DeviceSpec, device_spec_names
 from lightning_autopart.errors import CaptureError, ConfigError, ProfileError
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.profile.loader import LoaderCost, with_loader
+from lightning_autopart.profile.readback import LoopFacts, readback_every, reads_of
 from lightning_autopart.profile.records import ModelProfile
 
 if TYPE_CHECKING:
@@ -213,6 +214,7 @@ def plan_model(
     loss: LossFn | None = None,
     loss_samples: int | None = None,
     loader: LoaderCost | None = None,
+    loop: LoopFacts | None = None,
 ) -> Plan:
     """Plan ``model`` for ``cluster`` at global ``batch_size``: capture -> profile -> partition.
 
@@ -239,6 +241,9 @@ def plan_model(
         loss_samples: The most samples ``loss`` has labels for.
         loader: The training loader's time per batch (:func:`~lightning_autopart.profile.loader.time_loader`),
             priced in the step ([Note: loader in the step]); None prices no data loading.
+        loop: What the training loop around the step reads back from the device, and how often
+            ([Note: reads back]); with what ``loss`` records of the step's own reads (its ``reads``), it decides
+            whether the loader's fetch overlaps the device's work. None: a default Trainer's loop.
 
     Blocks get cost curves up to the largest micro-batch a plan may use: the global batch in "estimate" (meta
     runs cost nothing); in "measure", the per-device share of it (what each rank would load, as the strategy
@@ -269,6 +274,8 @@ def plan_model(
         loss_samples=loss_samples,
         dtype=dtype,
     )
+    if loader is not None:  # the loss has run by now: what the step reads back is known
+        loader = dataclasses.replace(loader, readback_every=readback_every(reads_of(loss), loop))
     plan = partition(
         with_loader(prof, loader),
         cluster,

@@ -27,6 +27,7 @@ from lightning_autopart.lightning.reuse import (
 )
 from lightning_autopart.plan import Plan, with_planning_time
 from lightning_autopart.profile.loss import LossFn
+from lightning_autopart.profile.readback import LoopFacts, readback_every, reads_of
 from lightning_autopart.runtime.checkpoint import free_elsewhere
 from lightning_autopart.runtime.runner import move_in_place
 from lightning_autopart.runtime.stages import tied_groups
@@ -38,6 +39,7 @@ __all__ = [
     "choose_micro_batches",
     "first_batch",
     "keep_local",
+    "loop_facts",
     "optimizer_kind",
     "plan_for_batch",
 ]
@@ -66,6 +68,8 @@ class PlanSettings:
     accumulate: int = 1
     #: The training loader, whose batches rank 0 times when it plans ([Note: loader time]); None: not priced.
     loader: Any = None
+    #: What the fit loop reads back, how often ([Note: reads back]); None: every step.
+    loop: LoopFacts | None = None
 
 
 def optimizer_kind(optimizers: Iterable[Any]) -> str:
@@ -99,6 +103,19 @@ def loop_loader(trainer: Any, hook: str) -> Any:
     if isinstance(loaders, (list, tuple)):
         return loaders[0] if loaders else None
     return loaders
+
+
+def loop_facts(trainer: Any) -> LoopFacts:
+    """What ``trainer``'s fit loop reads back from the device, how often ([Note: reads back]): its progress bar's
+    refresh rate, its loggers' ``log_every_n_steps`` and whether a gradient scaler checks every step."""
+    bar = trainer.progress_bar_callback
+    shown = bar is not None and bool(getattr(bar, "is_enabled", True))
+    logged = bool(trainer.loggers)
+    return LoopFacts(
+        progress_every=max(0, int(getattr(bar, "refresh_rate", 1))) if shown else 0,
+        log_every=max(0, int(trainer.log_every_n_steps)) if logged else 0,
+        scaler=getattr(trainer.precision_plugin, "scaler", None) is not None,
+    )
 
 
 def first_batch(loaders: Any, hook: str) -> Any:
@@ -301,7 +318,10 @@ def _make_plan(
         dtype=_profile_dtype(settings.precision),
     )
     if settings.loader is not None and loss is not None:  # fitting: the step fetches a batch each time
-        prof = with_loader(prof, time_loader(settings.loader, local_batch))
+        cost = time_loader(settings.loader, local_batch)
+        if cost is not None:  # the loss has run by now: what the step reads back is known
+            every = readback_every(reads_of(loss), settings.loop)
+            prof = with_loader(prof, dataclasses.replace(cost, readback_every=every))
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
         why = "".join(f"; {note}" for note in prof.meta.get("capture_notes", ()))
         raise ConfigError(

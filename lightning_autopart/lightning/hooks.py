@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,10 +22,12 @@ from lightning_autopart.lightning.metrics import (
     step_value,
     tracked_metrics,
 )
+from lightning_autopart.profile.readback import StepReads, ValueReads
 
 __all__ = [
     "ForwardCall",
     "LogRecord",
+    "StepLoss",
     "batch_range",
     "batch_size_of",
     "capture_logs",
@@ -264,20 +266,28 @@ def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, log
 _LOG_ARGUMENTS = list(inspect.signature(_log_signature).parameters)[3:]
 
 
-def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> Callable[[Any, int], torch.Tensor]:
+class StepLoss:
     """The user's training loss as a function of the pipelined model's output (see [Note: the loss]):
     ``training_step`` on the first ``samples`` samples of ``batch`` (moved to the output's device), with the
-    model's forward returning ``output``, ``self.log`` silenced and torchmetrics states restored afterwards, so
-    profiling it leaves nothing behind."""
+    model's forward returning ``output``, ``self.log`` recorded instead of logged and torchmetrics states
+    restored afterwards, so profiling it leaves nothing behind. ``reads`` says what the step reads back from
+    the device and logs at each step (see [Note: reads back]); it is recorded until one run completes."""
 
-    def loss(output: Any, samples: int) -> torch.Tensor:
+    def __init__(self, module: Any, root_name: str, batch: Any, batch_size: int) -> None:
+        self.module, self.root_name, self.batch, self.batch_size = module, root_name, batch, batch_size
+        self.reads = StepReads()
+
+    def __call__(self, output: Any, samples: int) -> torch.Tensor:
+        module = self.module
         device = next((t.device for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
-        part = slice_batch(batch, 0, samples, batch_size)
+        part = slice_batch(self.batch, 0, samples, self.batch_size)
         if device is not None:
             part = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, part)
-        root = module.get_submodule(root_name) if root_name else module
-        with replaced_forward(root, output), _silenced_log(module), _metrics_kept(module):
+        root = module.get_submodule(self.root_name) if self.root_name else module
+        watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
+        with replaced_forward(root, output), _patched_log(module, self._log), _metrics_kept(module), watch:
             out = module.training_step(part, 0)
+        self.reads.seen = True
         value = out.get("loss") if isinstance(out, dict) else out
         if not isinstance(value, torch.Tensor):
             raise ConfigError(
@@ -285,7 +295,15 @@ def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> Calla
             )
         return value
 
-    return loss
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        options = {**dict(zip(_LOG_ARGUMENTS, args, strict=False)), **kwargs}
+        self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
+
+
+def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> StepLoss:
+    """The training loss of ``module``'s ``training_step`` on ``batch`` as a function of the output of its
+    submodule ``root_name`` (:class:`StepLoss`)."""
+    return StepLoss(module, root_name, batch, batch_size)
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from lightning_autopart.lightning.first_batch import (
     PlanSettings,
     first_batch,
     keep_local,
+    loop_facts,
     loop_loader,
     optimizer_kind,
 )
@@ -336,6 +337,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             accumulate=trainer.accumulate_grad_batches,
             loader=loader if trainer.state.fn == TrainerFn.FITTING else None,
+            loop=loop_facts(trainer),
         )
         with self.precision_plugin.forward_context():  # capture sees what the model will see (bf16-true...)
             return split_module(

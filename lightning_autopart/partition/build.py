@@ -88,7 +88,9 @@ def build_plan(
     notes["bottleneck_stage"] = ev.bottleneck
     loader = LoaderCost.from_meta(profile.meta.get("loader"))
     if loader is not None:
-        notes["loader"] = f"{loader.sample_us / 1e3:.3g} ms/sample, {loader.workers} workers"
+        every = loader.readback_every
+        reads = "never" if every == 0 else ("every step" if every == 1 else f"every {every} steps")
+        notes["loader"] = f"{loader.sample_us / 1e3:.3g} ms/sample, {loader.workers} workers, reads back {reads}"
     if profile.mode == "estimate" and profile.meta.get("opaque_ops"):  # priced by their bytes alone
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
     if ckpt:

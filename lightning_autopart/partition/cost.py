@@ -39,8 +39,10 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     C = F + Bw + h (host does the math: CPU) | max(F + Bw, h + G) (host runs ahead of the device)
     t = C + [p2p(c_{j-1}) if j < L] + [p2p(c_{i-1}) if i > 0]          (per micro-batch)
     a = 0 if r == 1 else 2(r-1)/r * grad_bytes / bw_allreduce * 1e6 + 2(r-1) * latency_us
-    w = max(K * t + v * (a + O) + H + D, D_w),   K = v*M + S - 1,   H = step_us (0 where the host runs ahead)
+    w0 = K * t + v * (a + O) + H,   K = v*M + S - 1,   H = step_us (0 where the host runs ahead)
+    w = max(w0 + q D + (1 - q) max(0, D + K (h + G) + H - w0), D_w)
     D, D_w = the loader's time for a replica's B/r samples without workers, 0 | 0, its time over W workers
+    q = 1 / (steps between two reads of a device value) (0: never; 1 where the host does the math)
 
 [Note: fresh gradients] ``fresh`` holds for a stage whose gradients do not exist while it holds its
 activations at their peak: one replica (replicas keep persistent all-reduce buckets), one chunk, gradients
@@ -62,8 +64,11 @@ inter-node per the rank layout (:mod:`.placement`). A device's peak memory is th
 feasibility never depends on rounding.
 
 [Note: loader in the step] Every rank of a replica fetches the replica's ``B/r`` samples each step (the first
-stage its inputs, the last its targets). Without loader workers the training process makes the batch while the
-device waits (Lightning reads a logged value back once a step), so the time adds to every stage's term, ``D``;
+stage its inputs, the last its targets). Without loader workers the training process makes the batch. After a
+step that read a device value back (Lightning's progress bar reads the logged loss once a step) the device
+waits for it, so the time adds to every stage's term, ``D``; after a step that did not, the host makes the next
+batch while the device computes, and the step takes the longer of the device's term and the host's, the fetch
+plus the launches of the step's ``K`` ticks (``q`` from [Note: reads back] in ``profile/readback.py``);
 with ``W`` workers a batch comes every ``fetch / W`` at best, a floor on the step, ``D_w``, where the host runs
 ahead of a device. Where the host does the math (CPU), the workers take the cores the math needs: a 2-core
 run of a 2-layer MLP stepped 86-96 ms with 2 workers against 75-83 ms with none, so the time adds there as
@@ -224,8 +229,12 @@ class ConfigCosts:
     host: float = 0.0
     host_adds: bool = False
     step_host: float = 0.0
-    #: The loader's time that adds to the step, and the least the step may take ([Note: loader in the step]).
+    #: The loader's time that adds to the step (``q D``), the fetch that may overlap the device (``D`` where
+    #: ``q < 1``) and the share of steps it does (``1 - q``), and the least the step may take (``D_w``); see
+    #: [Note: loader in the step].
     data: float = 0.0
+    data_open: float = 0.0
+    data_share: float = 0.0
     data_floor: float = 0.0
     #: Per virtual stage: its gradients do not exist at its activations' peak (see [Note: fresh gradients]).
     fresh: list[bool] = field(default_factory=list)
@@ -248,8 +257,9 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
-    cc.data, cc.data_floor = tables.loader_us(batch_size // r)
-    cc.host_adds, cc.step_host = not cl.async_host, cl.step_host_us + cc.data
+    fetch, q, cc.data_floor = tables.loader_us(batch_size // r)
+    cc.data, cc.data_open, cc.data_share = q * fetch, (fetch if q < 1 else 0.0), 1.0 - q
+    cc.host_adds, cc.step_host = not cl.async_host, cl.step_host_us
     zero = [0.0] * (tables.num_blocks + 1)
     cc.host_fb, cc.host_f = (zero, zero) if cc.host_adds else (tables.host_fb, tables.host_f)
     if r == 1:
@@ -295,7 +305,8 @@ class StageCost:
     memory_bytes: int
     limit_bytes: int
     param_count: int
-    #: The loader's share of ``term_us``: its time without workers, or what its workers' pace adds.
+    #: The loader's share of ``term_us``: its time without workers (what of it the device's work does not
+    #: hide), or what its workers' pace adds.
     data_us: float = 0.0
 
 
@@ -335,8 +346,11 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     t = busy + pin + pout
     a = cc.ar_coef[k] * grad + cc.ar_const[k] if cc.cfg.replicas > 1 else 0.0
     opt = tables.opt_us[j] - tables.opt_us[i] + tables.tied_optimizer_us(i, j)
-    w = cc.ticks * t + v * (a + opt) + cc.step_host
-    data = cc.data
+    w0 = cc.ticks * t + v * (a + opt) + cc.step_host
+    w = w0 + cc.data
+    if cc.data_open:  # the fetch after a step that read nothing back overlaps the device's work
+        w += cc.data_share * max(0.0, cc.data_open + cc.ticks * host + cc.step_host - w0)
+    data = w - w0
     if w < cc.data_floor:
         data, w = cc.data_floor - w, cc.data_floor
     buf = tables.buffers[j] - tables.buffers[i]

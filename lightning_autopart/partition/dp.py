@@ -59,6 +59,7 @@ def solve(
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
+    dq, dopen, dshare = cc.data, cc.data_open, cc.data_share
     multi = cc.cfg.replicas > 1
     # The largest finite value a cell may take: unreachable states (INF) then fail ``pv > lim`` at once.
     top = tau if tau < INF else _HUGE
@@ -115,6 +116,11 @@ def solve(
                 busy = comp + h if adds else (comp if comp > h else h)
                 t = busy + pin[i] + po
                 w = (kk * t + v * (coef * gr + cst + opt) if multi else kk * t + v * opt) + stp
+                if dopen:  # the next fetch overlaps the device ([Note: loader in the step] in cost.py)
+                    lag = dopen + kk * h + stp - w
+                    w += dq + dshare * lag if lag > 0 else dq
+                else:
+                    w += dq
                 if w < pv:
                     w = pv
                 if w <= lim and w < best:

@@ -205,16 +205,20 @@ class CostTables:
             self._sizes[m] = got
         return got
 
-    def loader_us(self, samples: int) -> tuple[float, float]:
-        """The loader's share of a step whose replica takes ``samples`` per step: the time it adds (no workers,
-        or workers sharing the cores of a host that does the math) and the least the step may take (its
-        workers' pace); zeros where it was not timed ([Note: loader in the step] in cost.py)."""
+    def loader_us(self, samples: int) -> tuple[float, float, float]:
+        """The loader's share of a step whose replica takes ``samples`` per step: the fetch made by the training
+        process (no workers, or workers sharing the cores of a host that does the math), the share of steps
+        that start with the device idle (after a read back: 1 on such a host), and the least the step may take
+        (its workers' pace); zeros where it was not timed ([Note: loader in the step] in cost.py)."""
         if self.loader is None:
-            return 0.0, 0.0
+            return 0.0, 1.0, 0.0
         fetch = self.loader.fetch_us(samples)
-        if self.loader.workers == 0 or not self.cluster.async_host:
-            return fetch, 0.0
-        return 0.0, fetch / self.loader.workers
+        if not self.cluster.async_host:
+            return fetch, 1.0, 0.0
+        if self.loader.workers:
+            return 0.0, 1.0, fetch / self.loader.workers
+        every = self.loader.readback_every
+        return fetch, 1.0 / every if every > 0 else 0.0, 0.0
 
     def times(self, m: int) -> tuple[list[float], list[float], float]:
         """Prefix sums of forward and backward time at ``m`` samples, and the largest ``f_k + b_k``."""

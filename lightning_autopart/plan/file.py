@@ -115,8 +115,8 @@ class Prediction:
     optimizer_us: float = 0.0
     #: Host time not hidden behind the math: the bottleneck's per-action overheads and the step's fixed work.
     host_us: float = 0.0
-    #: The training loader's time in the step: a batch made while the device waits, or what its workers' pace
-    #: adds (see [Note: loader in the step] in partition/cost.py).
+    #: The training loader's time in the step: what of a batch made by the training process the device's work
+    #: does not hide, or what its workers' pace adds (see [Note: loader in the step] in partition/cost.py).
     data_us: float = 0.0
 
 

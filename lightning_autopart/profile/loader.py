@@ -2,11 +2,11 @@
 
 [Note: loader time]
 A step is the batch's fetch as well as its math. With ``num_workers=0`` the training process makes each batch
-itself (``dataset[i]`` for every sample, then ``collate_fn``), and the device waits for it: Lightning's loop
-reads a logged value back once a step (the progress bar shows ``self.log(..., prog_bar=True)``), so the next
-batch's fetch starts only when the device is idle. Issue 9's rows were measured that way: the tutorial
-``Net(5000, 24)`` at batch 512 took 95.6 ms a step on an H100 where its math takes 50.6 ms, and the examples'
-loader makes 512 such samples in 45-49 ms on one core; GPT's token batches cost 0.2 ms and its step matched.
+itself (``dataset[i]`` for every sample, then ``collate_fn``), and where the loop reads a value back once a
+step (the progress bar shows ``self.log(..., prog_bar=True)``), the next batch's fetch starts only when the
+device is idle, so the device waits for it ([Note: reads back] in ``readback.py``). Issue 9's rows were
+measured that way: the tutorial ``Net(5000, 24)`` at batch 512 took 95.6 ms a step on an H100 where its math
+takes 50.6 ms, and the examples' loader makes 512 such samples in 45-49 ms on one core; GPT's token batches cost 0.2 ms and its step matched.
 With ``W`` workers, batches are made by other processes, ``W`` at a time: a step takes at least one batch's
 time over ``W``.
 
@@ -19,8 +19,9 @@ work on the machine while the plan is made stretches the wall clock, not the bat
 made the examples' image batches take 9x longer), and a first, cold batch is no typical one. An iterable
 dataset cannot be read without consuming it, so it is not timed (None), nor is a dataset whose first sample
 fails to load: the error is training's to report, at the sample training reads. The cost model adds
-``fetch_us(samples)`` per step with no workers, or bounds the step below by ``fetch_us(samples) / workers``
-([Note: loader in the step] in ``partition/cost.py``).
+``fetch_us(samples)`` per step with no workers where the loop reads a device value back every step (see
+[Note: reads back] in ``readback.py``; otherwise the fetch overlaps the device's work), or bounds the step
+below by ``fetch_us(samples) / workers`` ([Note: loader in the step] in ``partition/cost.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class LoaderCost:
     #: Samples per timed batch, and batches timed.
     samples: int
     batches: int
+    #: Steps between two reads of a device value by the training loop (0: never; 1: every step, the default
+    #: where unknown): whether the fetch overlaps the device's work ([Note: reads back] in ``readback.py``).
+    readback_every: int = 1
 
     def fetch_us(self, samples: int) -> float:
         """Time to make a batch of ``samples`` on one process."""
@@ -61,14 +65,26 @@ class LoaderCost:
 
     def as_meta(self) -> dict[str, Any]:
         """The profile's ``meta["loader"]`` entry (plain JSON numbers)."""
-        return {"sample_us": self.sample_us, "workers": self.workers, "samples": self.samples, "batches": self.batches}
+        return {
+            "sample_us": self.sample_us,
+            "workers": self.workers,
+            "samples": self.samples,
+            "batches": self.batches,
+            "readback_every": self.readback_every,
+        }
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any] | None) -> LoaderCost | None:
         """The cost a profile's ``meta["loader"]`` records; None where the loader was not timed."""
         if not meta:
             return None
-        return cls(float(meta["sample_us"]), int(meta["workers"]), int(meta["samples"]), int(meta["batches"]))
+        return cls(
+            float(meta["sample_us"]),
+            int(meta["workers"]),
+            int(meta["samples"]),
+            int(meta["batches"]),
+            int(meta.get("readback_every", 1)),
+        )
 
 
 @contextmanager

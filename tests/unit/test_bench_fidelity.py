@@ -72,6 +72,16 @@ def test_predict_only_needs_no_device_and_trains_nothing(capsys: pytest.CaptureF
 def test_own_data_makes_batches_in_the_step_and_prices_them(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--tiny", "--accelerator", "cpu", "--cases", CASE, "--steps", "2", "--warmup", "1"]
     (row,) = fidelity.main([*argv, "--modes", "estimate", "--own-data"])
-    assert "batches made in the step" in capsys.readouterr().out
+    assert "batches made in the step, progress bar on" in capsys.readouterr().out
+    assert row["estimate"]["loader"].endswith("reads back every step")  # the step logs for the progress bar
     assert row["estimate"]["phases_ms"]["data"] > 0 and row["estimate"]["prediction"]["data_us"] > 0
     assert len(row["measured"]["steps_s"]) == 2
+
+
+def test_own_data_quiet_turns_the_progress_bar_off_and_prices_a_loop_that_reads_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--tiny", "--accelerator", "cpu", "--cases", CASE, "--steps", "2", "--warmup", "1"]
+    (row,) = fidelity.main([*argv, "--modes", "estimate", "--own-data", "quiet"])
+    assert "batches made in the step, progress bar off" in capsys.readouterr().out
+    assert row["estimate"]["loader"].endswith("reads back never")  # the case's step logs for the bar alone

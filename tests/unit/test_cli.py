@@ -311,6 +311,8 @@ def test_a_lightning_module_plans_from_its_first_batch_with_its_loss(
         saved.append(Plan.load(tmp_path / f"{precision}.json").stages[0].activation_bytes)
     assert saved[0] > 4 * 16 * 1000 * 4  # the cross entropy's log-softmax over the logits is priced
     assert saved[1] < saved[0]  # bfloat16 activations
+    # the step logs its loss for a default Trainer's progress bar, which reads it back every step
+    assert Plan.load(tmp_path / "32-true.json").notes["loader"].endswith("reads back every step")
     assert main([*common, "--precision", "int3"]) == 2
     assert "unknown dtype 'int3'" in capsys.readouterr().err
 
