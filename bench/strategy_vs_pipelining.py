@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -112,6 +113,7 @@ def _manual(warmup: int, steps: int, cut: int, sliced: bool) -> None:
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     batch = common.BATCH
     start = 0.0
+    gc.collect()  # as the Lightning side's Timer does (``strategy_vs_ddp.Timer``)
     for i, (x, y) in enumerate(batches(batch, warmup + steps, sliced)):
         if i == warmup:
             start = time.perf_counter()
@@ -148,6 +150,7 @@ def _runner(warmup: int, steps: int, plan_path: str, sliced: bool) -> None:
     params = [p for m in runner.modules.values() for p in m.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.01)
     start = 0.0
+    gc.collect()  # as the Lightning side's Timer does (``strategy_vs_ddp.Timer``)
     for i, (x, y) in enumerate(batches(plan.batch_size, warmup + steps, sliced)):
         if i == warmup:
             start = time.perf_counter()
