@@ -138,10 +138,11 @@ def _compare_throughput(trainer: L.Trainer, measured: _Throughput) -> None:
         return
     step_ms = 1000 * plan.batch_size / measured.samples_per_s
     print(
-        f"why they differ: the plan prices compute, transfers and the optimizer step, timed block by block on this "
-        f"CPU ({plan.prediction.step_us / 1000:.1f} ms a step); a measured step ({step_ms:.1f} ms) also holds "
-        "Lightning's loop and logging and gloo's message latency, which a model this small cannot hide, and the "
-        f"{trainer.world_size} processes share this machine's {os.cpu_count()} cores with whatever else runs"
+        "why they differ: the plan prices compute, transfers, the optimizer step, the loader's batches and the "
+        f"pipeline's host time, timed on this CPU ({plan.prediction.step_us / 1000:.1f} ms a step); a measured "
+        f"step ({step_ms:.1f} ms) also holds Lightning's loop and logging, which a model this small cannot hide, "
+        f"and the {trainer.world_size} processes share this machine's {os.cpu_count()} cores with whatever else "
+        "runs, whose speed moves between planning and training"
     )
 
 
