@@ -296,6 +296,8 @@ class StepLoss:
         return value
 
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
+            return  # converting it to a number reads nothing from a device
         options = {**dict(zip(_LOG_ARGUMENTS, args, strict=False)), **kwargs}
         self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
 

@@ -11,7 +11,7 @@ launches). In a Lightning fit the reads come from:
 - the step's own code: a value read in ``training_step`` (seen by :class:`ValueReads` while the loss is
   profiled);
 - the progress bar, which converts the values logged with ``prog_bar=True`` to numbers every ``refresh_rate``
-  steps;
+  steps (a device tensor's conversion reads it; a Python number or a CPU tensor reads nothing);
 - the loggers, which convert every logged value every ``log_every_n_steps`` steps;
 - a gradient scaler (``16-mixed``), which reads whether the gradients overflowed at every optimizer step.
 

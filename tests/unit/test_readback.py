@@ -96,6 +96,8 @@ class Logged(L.LightningModule):
         loss = F.mse_loss(self(batch[0]), batch[1])
         if self.logs:
             self.log_dict({"train_loss": loss}, prog_bar=self.prog_bar)
+            self.log("lr", 0.05, prog_bar=True)  # numbers and CPU tensors are shown without a read
+            self.log("seen", torch.tensor(float(index)), prog_bar=True)
         if self.read and loss.item() > 1e6:
             raise AssertionError("unreachable on these data")
         return loss
