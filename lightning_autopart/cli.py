@@ -89,6 +89,8 @@ def build_parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
         "--schedule", type=str, nargs="+", default=None, help=f"Schedules to try: {', '.join(SCHEDULES)}."
     )
     _add_input_arguments(plan)
+    plan.add_argument("--progress-bar-refresh", type=int, default=1, help="The Trainer's (0: no progress bar).")
+    plan.add_argument("--log-every-n-steps", type=int, default=50, help="The Trainer's (0: no logger).")
     plan.add_argument(
         "-o", "--output", type=str | None, default=None, help="Write the plan to this JSON file."
     )
@@ -253,7 +255,7 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
             loss=loss,
             loss_samples=samples,
             loader=loader,
-            loop=LoopFacts(scaler=cfg.precision == "16-mixed"),  # a default Trainer's progress bar and logger
+            loop=LoopFacts(cfg.progress_bar_refresh, cfg.log_every_n_steps, scaler=cfg.precision == "16-mixed"),
         )
     plan = with_planning_time(plan, time.perf_counter() - start)  # what the strategy's load_plan skips
     print_plan(plan, out)

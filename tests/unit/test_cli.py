@@ -313,6 +313,10 @@ def test_a_lightning_module_plans_from_its_first_batch_with_its_loss(
     assert saved[1] < saved[0]  # bfloat16 activations
     # the step logs its loss for a default Trainer's progress bar, which reads it back every step
     assert Plan.load(tmp_path / "32-true.json").notes["loader"].endswith("reads back every step")
+    for loop, reads in ((["--progress-bar-refresh", "0"], "every 50 steps"),
+                        (["--progress-bar-refresh", "0", "--log-every-n-steps", "0"], "never")):  # fmt: skip
+        assert main([*common, *loop, "-o", str(tmp_path / "quiet.json")]) == 0
+        assert Plan.load(tmp_path / "quiet.json").notes["loader"].endswith(f"reads back {reads}")
     assert main([*common, "--precision", "int3"]) == 2
     assert "unknown dtype 'int3'" in capsys.readouterr().err
 
