@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -255,7 +254,7 @@ def predict(
     from lightning_autopart.errors import PlanError
     from lightning_autopart.partition import partition
     from lightning_autopart.profile.loader import with_loader
-    from lightning_autopart.profile.readback import LoopFacts, readback_every, reads_of
+    from lightning_autopart.profile.readback import LoopFacts, with_readback
     from lightning_autopart.profile.records import cost_at
 
     on_meta, meta_error = mode == "estimate", None
@@ -268,10 +267,7 @@ def predict(
             raise
         on_meta, meta_error = False, f"{type(error).__name__}: {error}"
         prof, loss = _profile(case, batch, mode, spec, on_meta)
-    if loader is not None:
-        loop = LoopFacts(progress_every=int(progress_bar), log_every=0)
-        loader = dataclasses.replace(loader, readback_every=readback_every(reads_of(loss), loop))
-    prof = with_loader(prof, loader)
+    prof = with_loader(prof, with_readback(loader, loss, LoopFacts(progress_every=int(progress_bar), log_every=0)))
     cluster = Cluster.from_spec(spec, devices=1, device_memory=device_memory)
     fits = True
     try:

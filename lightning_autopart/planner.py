@@ -14,7 +14,7 @@ from lightning_autopart.devices import DeviceSpec, device_spec_names
 from lightning_autopart.errors import CaptureError, ConfigError, ProfileError
 from lightning_autopart.plan import SCHEDULES, Plan
 from lightning_autopart.profile.loader import LoaderCost, with_loader
-from lightning_autopart.profile.readback import LoopFacts, readback_every, reads_of
+from lightning_autopart.profile.readback import LoopFacts, with_readback
 from lightning_autopart.profile.records import ModelProfile
 
 if TYPE_CHECKING:
@@ -274,10 +274,8 @@ def plan_model(
         loss_samples=loss_samples,
         dtype=dtype,
     )
-    if loader is not None:  # the loss has run by now: what the step reads back is known
-        loader = dataclasses.replace(loader, readback_every=readback_every(reads_of(loss), loop))
     plan = partition(
-        with_loader(prof, loader),
+        with_loader(prof, with_readback(loader, loss, loop)),  # the loss has run: the step's reads are known
         cluster,
         batch_size,
         num_stages=num_stages,

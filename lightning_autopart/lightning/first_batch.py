@@ -27,7 +27,7 @@ from lightning_autopart.lightning.reuse import (
 )
 from lightning_autopart.plan import Plan, with_planning_time
 from lightning_autopart.profile.loss import LossFn
-from lightning_autopart.profile.readback import LoopFacts, readback_every, reads_of
+from lightning_autopart.profile.readback import LoopFacts, with_readback
 from lightning_autopart.runtime.checkpoint import free_elsewhere
 from lightning_autopart.runtime.runner import move_in_place
 from lightning_autopart.runtime.stages import tied_groups
@@ -318,10 +318,8 @@ def _make_plan(
         dtype=_profile_dtype(settings.precision),
     )
     if settings.loader is not None and loss is not None:  # fitting: the step fetches a batch each time
-        cost = time_loader(settings.loader, local_batch)
-        if cost is not None:  # the loss has run by now: what the step reads back is known
-            every = readback_every(reads_of(loss), settings.loop)
-            prof = with_loader(prof, dataclasses.replace(cost, readback_every=every))
+        # the loss has run by now: what the step reads back is known
+        prof = with_loader(prof, with_readback(time_loader(settings.loader, local_batch), loss, settings.loop))
     if settings.num_stages is not None and settings.num_stages > prof.num_blocks:
         why = "".join(f"; {note}" for note in prof.meta.get("capture_notes", ()))
         raise ConfigError(

@@ -23,13 +23,17 @@ waits for nothing: there the fetch always adds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LoopFacts", "StepReads", "ValueReads", "readback_every", "reads_of"]
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.profile.loader import LoaderCost
+
+__all__ = ["LoopFacts", "StepReads", "ValueReads", "readback_every", "reads_of", "with_readback"]
 
 #: Tensor methods that hand a device value to the host (and so wait for the device).
 _READS = frozenset(
@@ -68,6 +72,13 @@ class LoopFacts:
     log_every: int = 50
     #: A gradient scaler reads an overflow flag at every optimizer step.
     scaler: bool = False
+
+    def __post_init__(self) -> None:
+        if self.progress_every < 0 or self.log_every < 0:
+            raise ConfigError(
+                f"the progress bar's refresh rate ({self.progress_every}) and the steps between logs "
+                f"({self.log_every}) count steps; give 0 or more (0: no progress bar, no logger)"
+            )
 
 
 class ValueReads(TorchFunctionMode):
@@ -120,3 +131,10 @@ def reads_of(loss: object) -> StepReads | None:
     ``StepLoss`` keeps one), None for a loss that keeps none."""
     reads = getattr(loss, "reads", None)
     return reads if isinstance(reads, StepReads) else None
+
+
+def with_readback(cost: LoaderCost | None, loss: object, loop: LoopFacts | None) -> LoaderCost | None:
+    """``cost`` with how often the loop reads back, from what ``loss`` recorded once it ran and ``loop``."""
+    if cost is None:
+        return None
+    return dataclasses.replace(cost, readback_every=readback_every(reads_of(loss), loop))

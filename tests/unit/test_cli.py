@@ -317,6 +317,8 @@ def test_a_lightning_module_plans_from_its_first_batch_with_its_loss(
                         (["--progress-bar-refresh", "0", "--log-every-n-steps", "0"], "never")):  # fmt: skip
         assert main([*common, *loop, "-o", str(tmp_path / "quiet.json")]) == 0
         assert Plan.load(tmp_path / "quiet.json").notes["loader"].endswith(f"reads back {reads}")
+    assert main([*common, "--progress-bar-refresh", "-1"]) == 2
+    assert "refresh rate (-1)" in capsys.readouterr().err
     assert main([*common, "--precision", "int3"]) == 2
     assert "unknown dtype 'int3'" in capsys.readouterr().err
 

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.first_batch import loop_facts
 from lightning_autopart.lightning.hooks import step_loss
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
@@ -51,6 +52,13 @@ def _seen(**kwargs: Any) -> StepReads:
 )
 def test_the_steps_between_two_reads(reads: StepReads | None, loop: LoopFacts, every: int) -> None:
     assert readback_every(reads, loop) == every
+
+
+def test_a_negative_rate_is_refused_with_what_to_give() -> None:
+    with pytest.raises(ConfigError, match=r"refresh rate \(-1\).*give 0 or more \(0: no progress bar"):
+        LoopFacts(progress_every=-1)
+    with pytest.raises(ConfigError, match=r"steps between logs \(-5\)"):
+        LoopFacts(log_every=-5)
 
 
 def test_a_log_counts_at_each_step_unless_it_is_an_epoch_value() -> None:
