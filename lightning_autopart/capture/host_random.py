@@ -37,10 +37,13 @@ from lightning_autopart.errors import CaptureError
 
 __all__ = [
     "HostRandom",
+    "generator_state",
+    "held_generators",
     "is_generator",
     "keep_host_random",
     "plain_object",
     "record_seeding",
+    "set_generator_state",
     "watch_host_random",
 ]
 
@@ -87,7 +90,8 @@ def _comparable(value: Any) -> Any:
     return value
 
 
-def _get_state(generator: Any) -> Any:
+def generator_state(generator: Any) -> Any:
+    """The state of a host generator or a ``torch.Generator``, for :func:`set_generator_state`."""
     if isinstance(generator, random.Random):
         return generator.getstate()
     if hasattr(generator, "bit_generator"):  # numpy.random.Generator
@@ -95,7 +99,8 @@ def _get_state(generator: Any) -> Any:
     return generator.get_state()
 
 
-def _set_state(generator: Any, state: Any) -> None:
+def set_generator_state(generator: Any, state: Any) -> None:
+    """Put back a state that :func:`generator_state` read."""
     if isinstance(generator, random.Random):
         generator.setstate(state)
     elif hasattr(generator, "bit_generator"):
@@ -114,6 +119,19 @@ def _candidates(value: Any) -> Iterator[tuple[str, Any]]:
         yield from ((f"[{k!r}]", v) for k, v in value.items())
     elif plain_object(value):
         yield from ((f".{k}", v) for k, v in vars(value).items())
+
+
+def held_generators(owner: Any) -> list[Any]:
+    """The generators (host ones and ``torch.Generator``) that ``owner`` holds as attributes, or that a plain
+    object among them holds (a dataset's augmentation generator, say); containers are not searched, as a
+    dataset's may hold every sample."""
+    found: dict[int, Any] = {}
+    for value in getattr(owner, "__dict__", {}).values():
+        inner = vars(value).values() if plain_object(value) else ()
+        for candidate in (value, *inner):
+            if is_generator(candidate) or isinstance(candidate, torch.Generator):
+                found.setdefault(id(candidate), candidate)
+    return list(found.values())
 
 
 def find_generators(module: nn.Module) -> list[tuple[str, Any]]:
@@ -164,7 +182,7 @@ class HostRandom:
         """Every stream's state and the number of recorded calls, comparable with :meth:`drawn`."""
         np_random = _numpy_random()
         numpy_state = _comparable(np_random.get_state()) if np_random is not None else None
-        mine = tuple(_comparable(_get_state(g)) for _, g in self.generators)
+        mine = tuple(_comparable(generator_state(g)) for _, g in self.generators)
         return random.getstate(), numpy_state, mine, len(_EVENTS), _initial_seeds()
 
     def drawn(self, before: tuple[Any, ...]) -> str:
@@ -189,12 +207,12 @@ class HostRandom:
 
     def raw_states(self) -> list[Any]:
         """The generators' states as they set them back (for :meth:`restore`)."""
-        return [_get_state(g) for _, g in self.generators]
+        return [generator_state(g) for _, g in self.generators]
 
     def restore(self, raw: list[Any]) -> None:
         """Put back the generators' states ``raw`` (read by :meth:`raw_states`)."""
         for (_, generator), saved in zip(self.generators, raw, strict=True):
-            _set_state(generator, saved)
+            set_generator_state(generator, saved)
 
 
 def _initial_seeds() -> tuple[int, ...]:

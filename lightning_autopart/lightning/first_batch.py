@@ -26,6 +26,7 @@ from lightning_autopart.lightning.reuse import (
     loaded_message,
 )
 from lightning_autopart.plan import Plan, with_planning_time
+from lightning_autopart.profile.loader import read_aside, single_stream
 from lightning_autopart.profile.loss import LossFn
 from lightning_autopart.profile.readback import LoopFacts, with_readback
 from lightning_autopart.runtime.checkpoint import free_elsewhere
@@ -126,8 +127,18 @@ def first_batch(loaders: Any, hook: str) -> Any:
             f"autopart plans from the first batch of the {name} loop, but it has no dataloader; pass one to "
             f"trainer.{call}(...) or define {name}_dataloader()"
         )
+    dataset = getattr(loaders, "dataset", None)
+    stream = None if getattr(loaders, "num_workers", 0) else single_stream(dataset)  # workers read fresh copies
+    if stream is not None:
+        raise ConfigError(
+            f"the {name} dataloader's dataset ({type(dataset).__name__}) is a single stream: its __iter__ returns "
+            f"{stream} each time, so the first batch that autopart reads to plan would be missing from the {name} "
+            "loop (and a later epoch would find the stream spent); make __iter__ start over at each call, e.g. a "
+            "generator function (def __iter__(self): yield from ...)"
+        )
     try:
-        return next(iter(loaders))
+        with read_aside(loaders):  # the dataset's own generators and position stay as training finds them
+            return next(iter(loaders))
     except StopIteration:
         raise ConfigError(empty_loader_message(name, loaders)) from None
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.partition import partition
 from lightning_autopart.partition.cost import Config, CostTables, config_costs
@@ -128,17 +129,127 @@ def test_a_dataset_that_reads_batches_is_read_so() -> None:
 
 
 class Stream(IterableDataset[torch.Tensor]):
+    """``n`` samples of ``ms`` each, counted from 0 by every fresh iterator; each draws from the global
+    generators and the stream's own, and ``__iter__`` records the last iterator on the dataset."""
+
+    def __init__(self, n: int, ms: float = 0.0) -> None:
+        self.n, self.ms = n, ms
+        self.rng = torch.Generator().manual_seed(1)
+        self.np_rng = np.random.default_rng(2)
+        self.py_rng = random.Random(3)
+        self.position = 0
+
     def __iter__(self):  # type: ignore[no-untyped-def]
-        return (torch.zeros(2) for _ in range(4))
+        self.last = object()  # as Hugging Face's IterableDataset records its state on itself
+        for i in range(self.n):
+            self.position = i
+            if self.ms:
+                time.sleep(self.ms / 1e3)
+            noise = torch.rand((), generator=self.rng) + self.np_rng.random() + self.py_rng.random()
+            yield torch.full((2,), float(i)) + noise + torch.rand(()) + random.random()
 
 
-@pytest.mark.parametrize(
-    "loader",
-    [DataLoader(Stream(), batch_size=2), DataLoader(Sleepy(4), batch_size=None), [torch.zeros(2)]],
-    ids=["iterable", "no-batching", "a-list"],
-)
-def test_a_loader_that_cannot_be_read_aside_is_not_timed(loader: object) -> None:
-    assert time_loader(loader, samples=2) is None
+def _drawn(loader: DataLoader[torch.Tensor]) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    random.seed(0)
+    return list(loader)
+
+
+def test_an_iterable_dataset_is_timed_from_a_fresh_iterator_and_training_reads_the_same() -> None:
+    untouched = _drawn(DataLoader(Stream(10), batch_size=4))
+    data = Stream(10, ms=2.0)
+    loader = DataLoader(data, batch_size=4)
+    torch.manual_seed(0)
+    random.seed(0)
+    cost = time_loader(loader, samples=4, batches=3)
+    # the last batch holds the stream's two last samples: timed per sample all the same
+    assert cost is not None and (cost.samples, cost.batches, cost.workers) == (4, 3, 0)
+    assert cost.sample_us >= 2000.0
+    assert not hasattr(data, "last") and data.position == 0  # its attributes are as before
+    data.ms = 0.0
+    timed = list(loader)  # the global generators were restored too (seeded above)
+    assert len(timed) == len(untouched) == 3
+    assert all(torch.equal(a, b) for a, b in zip(timed, untouched, strict=True))
+
+
+class OneShot(IterableDataset[torch.Tensor]):
+    """A stream that iterates once: ``iter()`` gives back the same generator each time."""
+
+    def __init__(self) -> None:
+        self.samples = (torch.zeros(2) for _ in range(4))
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return self.samples
+
+
+class SelfIterating(IterableDataset[torch.Tensor]):
+    def __init__(self) -> None:
+        self.left = 4
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if not self.left:
+            raise StopIteration
+        self.left -= 1
+        return torch.zeros(2)
+
+
+@pytest.mark.parametrize("make", [OneShot, SelfIterating], ids=["same-iterator", "its-own-iterator"])
+def test_a_single_stream_is_not_read_aside(make: type[IterableDataset[torch.Tensor]]) -> None:
+    data = make()
+    assert time_loader(DataLoader(data, batch_size=2), samples=2) is None
+    assert len(list(DataLoader(data, batch_size=2))) == 2  # training still reads all four samples
+
+
+def test_a_loader_that_is_no_dataloader_is_not_timed() -> None:
+    assert time_loader([torch.zeros(2)], samples=2) is None
+    assert time_loader(DataLoader(Sleepy(0), batch_size=2), samples=2) is None
+
+
+class Batches(Dataset[torch.Tensor]):
+    """Each item a whole batch of ``rows`` samples (read with ``batch_size=None``), ``ms`` per sample."""
+
+    def __init__(self, n: int, rows: int, ms: float) -> None:
+        self.n, self.rows, self.ms = n, rows, ms
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(self.rows * self.ms / 1e3)
+        return torch.zeros(self.rows, 2)
+
+
+def test_without_automatic_batching_each_item_is_a_whole_batch() -> None:
+    cost = time_loader(DataLoader(Batches(3, rows=8, ms=0.5), batch_size=None), samples=8, batches=2)
+    assert cost is not None and (cost.samples, cost.batches) == (8, 2)
+    assert 500.0 <= cost.sample_us < 2000.0  # 0.5 ms a sample, not 4 ms (the item's whole time)
+
+
+class OwnGenerators(Sleepy):
+    """Augmentations drawn from generators the dataset holds (torch's, NumPy's new and legacy, Python's)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.rng = torch.Generator().manual_seed(0)
+        self.np_rng = np.random.default_rng(0)
+        self.np_legacy = np.random.RandomState(0)
+        self.py_rng = random.Random(0)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(index)
+        noise = torch.rand((), generator=self.rng) + self.np_rng.random() + self.np_legacy.rand()
+        return x + noise + self.py_rng.random(), y
+
+
+def test_the_datasets_own_generators_draw_in_training_as_if_untimed() -> None:
+    untouched = list(DataLoader(OwnGenerators(8), batch_size=4))
+    data = OwnGenerators(8)
+    assert time_loader(DataLoader(data, batch_size=4), samples=4, batches=2) is not None
+    timed = list(DataLoader(data, batch_size=4))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(timed, untouched, strict=True))
 
 
 class Broken(Sleepy):
@@ -243,9 +354,25 @@ class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x + 0.1 * torch.randn(6), x.sum(0, keepdim=True)
 
 
-class Regression(L.LightningModule):
+class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The same samples as a stream with its own generator, recording its position on itself."""
+
     def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(5)
+        self.position = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for index in range(32):
+            self.position = index
+            x, y = Noisy()[index]
+            yield x + 0.1 * torch.randn(6, generator=self.rng), y
+
+
+class Regression(L.LightningModule):
+    def __init__(self, stream: bool = False, shuffle_seed: int | None = None) -> None:
         super().__init__()
+        self.stream = NoisyStream() if stream else None  # built once, as a DataModule's setup() builds it
+        self.shuffle = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
         self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
         self.losses: list[float] = []
 
@@ -258,15 +385,17 @@ class Regression(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
-        return DataLoader(Noisy(), batch_size=4, shuffle=True)
+        if self.stream is not None:
+            return DataLoader(self.stream, batch_size=4)
+        return DataLoader(Noisy(), batch_size=4, shuffle=True, generator=self.shuffle)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def _fit(strategy: object) -> Regression:
+def _fit(strategy: object, data: str = "map-style") -> Regression:
     torch.manual_seed(7)
-    model = Regression()
+    model = Regression(data == "iterable", 3 if data == "own-shuffle" else None)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=6, logger=False,  # type: ignore[arg-type]
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -277,10 +406,42 @@ def _fit(strategy: object) -> Regression:
 
 
 @pytest.mark.usefixtures("master_port")
-def test_the_strategy_prices_its_loader_and_training_draws_the_same_data() -> None:
+@pytest.mark.parametrize("data", ["map-style", "iterable", "own-shuffle"])
+def test_the_strategy_prices_its_loader_and_training_draws_the_same_data(data: str) -> None:
     strategy = AutoPartitionStrategy(num_stages=1, micro_batches=1, profile="estimate")
-    got = _fit(strategy)
+    got = _fit(strategy, data)
     assert strategy.plan is not None and strategy.plan.prediction.data_us > 0
     assert "ms/sample, 0 workers" in strategy.plan.notes["loader"]
     torch.distributed.destroy_process_group()
-    assert got.losses == pytest.approx(_fit("auto").losses, rel=1e-5)  # same order, same noise
+    assert got.losses == pytest.approx(_fit("auto", data).losses, rel=1e-5)  # same order, same noise
+
+
+class SpentOnce(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Regression samples as a single stream: ``__iter__`` gives back one generator each time."""
+
+    def __init__(self) -> None:
+        self.samples = (Noisy()[i] for i in range(32))
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return self.samples
+
+
+class FromOneStream(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = SpentOnce()
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(self.data, batch_size=4)
+
+
+@pytest.mark.usefixtures("master_port")
+def test_a_single_stream_is_refused_before_a_batch_is_taken_from_it() -> None:
+    model = FromOneStream()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=AutoPartitionStrategy(profile="estimate"), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"SpentOnce\) is a single stream: its __iter__ returns the same iterator"):
+        trainer.fit(model)
+    assert len(list(model.data)) == 32  # nothing was read from it
