@@ -186,15 +186,18 @@ def _time_stream(
     loader: Any, dataset: torch.utils.data.IterableDataset[Any], samples: int, batches: int
 ) -> LoaderCost | None:
     """Time batches from a fresh iterator of an iterable dataset; None for a single stream (see
-    :func:`single_stream`): reading it aside would take training's samples. The dataset's attributes and own
-    generators are put back afterwards."""
+    :func:`single_stream`): reading it aside would take training's samples, and for one that fails to open.
+    The dataset's attributes and own generators are put back afterwards."""
     whole = loader.batch_size is None
     samples = max(1, min(samples, _MAX_SAMPLES))
     collate = loader.collate_fn
     with read_aside(loader):
-        if single_stream(dataset):
+        try:
+            if single_stream(dataset):
+                return None
+            stream = iter(dataset)
+        except Exception:  # a stream that only its workers can open, say: training reports its own errors
             return None
-        stream = iter(dataset)
 
         def make() -> int:
             if whole:

@@ -203,6 +203,19 @@ def test_a_single_stream_is_not_read_aside(make: type[IterableDataset[torch.Tens
     assert len(list(DataLoader(data, batch_size=2))) == 2  # training still reads all four samples
 
 
+class WorkersOnly(IterableDataset[torch.Tensor]):
+    """A stream that opens only inside a loader worker (its shard comes from ``get_worker_info()``)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        if torch.utils.data.get_worker_info() is None:
+            raise RuntimeError("open me in a worker")
+        return iter([torch.zeros(2)])
+
+
+def test_a_stream_that_fails_to_open_is_left_to_training() -> None:
+    assert time_loader(DataLoader(WorkersOnly(), batch_size=1, num_workers=1), samples=1) is None
+
+
 def test_a_loader_that_is_no_dataloader_is_not_timed() -> None:
     assert time_loader([torch.zeros(2)], samples=2) is None
     assert time_loader(DataLoader(Sleepy(0), batch_size=2), samples=2) is None
