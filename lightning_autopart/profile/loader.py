@@ -22,8 +22,8 @@ afterwards (a dataset that records its position on itself, as Hugging Face's ``I
 reports training's). One whose ``iter()`` gives back the same iterator each time is a single stream: reading
 it aside would take training's samples, so it is not timed (None). Nor is a dataset whose first sample fails
 to load: the error is training's to report, at the sample training reads. Where the loader has no automatic
-batching (``batch_size=None``), each item is a whole batch of the step's samples. The cost model adds
-``fetch_us(samples)`` per step with no workers where the loop reads a device value back every step (see
+batching (``batch_size=None`` and no ``batch_sampler``), each item is a whole batch of the step's samples.
+The cost model adds ``fetch_us(samples)`` per step with no workers where the loop reads a device value back every step (see
 [Note: reads back] in ``readback.py``; otherwise the fetch overlaps the device's work), or bounds the step
 below by ``fetch_us(samples) / workers`` ([Note: loader in the step] in ``partition/cost.py``).
 """
@@ -152,7 +152,8 @@ def time_loader(loader: Any, samples: int, batches: int = 5) -> LoaderCost | Non
     collate = getattr(loader, "collate_fn", None)
     if not isinstance(loader, torch.utils.data.DataLoader) or dataset is None or collate is None:
         return None
-    whole = loader.batch_size is None  # each item the dataset gives is a whole batch of ``samples``
+    # without automatic batching (no batch sampler), each item the dataset gives is a whole batch of ``samples``
+    whole = loader.batch_sampler is None
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return _time_stream(loader, dataset, samples, batches)
     try:
@@ -188,7 +189,7 @@ def _time_stream(
     """Time batches from a fresh iterator of an iterable dataset; None for a single stream (see
     :func:`single_stream`): reading it aside would take training's samples, and for one that fails to open.
     The dataset's attributes and own generators are put back afterwards."""
-    whole = loader.batch_size is None
+    whole = loader.batch_sampler is None
     samples = max(1, min(samples, _MAX_SAMPLES))
     collate = loader.collate_fn
     with read_aside(loader):

@@ -241,6 +241,13 @@ def test_without_automatic_batching_each_item_is_a_whole_batch() -> None:
     assert 500.0 <= cost.sample_us < 2000.0  # 0.5 ms a sample, not 4 ms (the item's whole time)
 
 
+def test_a_batch_sampler_batches_as_batch_size_does() -> None:
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(16)), 4, drop_last=False)
+    cost = time_loader(DataLoader(Sleepy(16, ms=1.0), batch_sampler=sampler), samples=4, batches=2)
+    assert cost is not None and (cost.samples, cost.batches) == (4, 2)
+    assert cost.sample_us >= 1000.0  # each sample sleeps 1 ms: not a whole batch per item
+
+
 class OwnGenerators(Sleepy):
     """Augmentations drawn from generators the dataset holds (torch's, NumPy's new and legacy, Python's)."""
 
