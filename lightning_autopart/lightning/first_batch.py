@@ -40,6 +40,7 @@ __all__ = [
     "choose_micro_batches",
     "first_batch",
     "keep_local",
+    "lightning_syncs_each_step",
     "loop_facts",
     "optimizer_kind",
     "plan_for_batch",
@@ -108,7 +109,8 @@ def loop_loader(trainer: Any, hook: str) -> Any:
 
 def loop_facts(trainer: Any) -> LoopFacts:
     """What ``trainer``'s fit loop reads back from the device, how often ([Note: reads back]): its progress bar's
-    refresh rate, its loggers' ``log_every_n_steps`` and whether a gradient scaler checks every step."""
+    refresh rate, its loggers' ``log_every_n_steps``, whether a gradient scaler checks every step and whether
+    the loop itself exchanges a value between its processes every step."""
     bar = trainer.progress_bar_callback
     shown = bar is not None and bool(getattr(bar, "is_enabled", True))
     logged = bool(trainer.loggers)
@@ -116,7 +118,17 @@ def loop_facts(trainer: Any) -> LoopFacts:
         progress_every=max(0, int(getattr(bar, "refresh_rate", 1))) if shown else 0,
         log_every=max(0, int(trainer.log_every_n_steps)) if logged else 0,
         scaler=getattr(trainer.precision_plugin, "scaler", None) is not None,
+        synced=lightning_syncs_each_step(int(trainer.world_size)),
     )
+
+
+def lightning_syncs_each_step(world_size: int) -> bool:
+    """Whether the installed Lightning's training loop reads a value broadcast between the ranks before every
+    batch of a job of ``world_size`` processes (its SIGTERM flag, ``_broadcast_sigterm_tensor``; [Note: reads
+    back])."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    return world_size > 1 and hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
 
 
 def first_batch(loaders: Any, hook: str) -> Any:

@@ -13,7 +13,11 @@ launches). In a Lightning fit the reads come from:
 - the progress bar, which converts the values logged with ``prog_bar=True`` to numbers every ``refresh_rate``
   steps (a device tensor's conversion reads it; a Python number or a CPU tensor reads nothing);
 - the loggers, which convert every logged value every ``log_every_n_steps`` steps;
-- a gradient scaler (``16-mixed``), which reads whether the gradients overflowed at every optimizer step.
+- a gradient scaler (``16-mixed``), which reads whether the gradients overflowed at every optimizer step;
+- in a job of several processes, Lightning's own training loop (2.6): before each batch it broadcasts rank 0's
+  SIGTERM flag, a tensor on the strategy's device, and reads it (``.item()``) on every rank. On a GPU the
+  broadcast waits for the kernels queued before it, so every step of every rank reads back, whatever the step
+  logs (:func:`lightning_syncs_each_step` in the adapter asks the installed Lightning).
 
 :func:`readback_every` combines them into the steps between two reads (0: never; 1: every step). A step
 whose reads are unknown (its loss was not run, or callbacks read values) counts as reading back every step,
@@ -72,6 +76,9 @@ class LoopFacts:
     log_every: int = 50
     #: A gradient scaler reads an overflow flag at every optimizer step.
     scaler: bool = False
+    #: The loop itself reads a value that the ranks exchange at every step (Lightning 2.6's training loop
+    #: broadcasts rank 0's SIGTERM flag on the device and reads it, in a job of several processes).
+    synced: bool = False
 
     def __post_init__(self) -> None:
         if self.progress_every < 0 or self.log_every < 0:
@@ -116,7 +123,7 @@ def readback_every(reads: StepReads | None, loop: LoopFacts | None) -> int:
     if reads is None or not reads.seen or reads.values:
         return 1
     loop = loop or LoopFacts()
-    if loop.scaler:
+    if loop.scaler or loop.synced:
         return 1
     periods = []
     if reads.progress_bar and loop.progress_every > 0:

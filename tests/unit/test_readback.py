@@ -5,6 +5,7 @@ in the step])."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from typing import Any
 
@@ -13,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning.first_batch import loop_facts
+from lightning_autopart.lightning.first_batch import lightning_syncs_each_step, loop_facts
 from lightning_autopart.lightning.hooks import step_loss
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.partition.cost import Config, CostTables, config_costs
@@ -48,6 +50,7 @@ def _seen(**kwargs: Any) -> StepReads:
         (_seen(logger=True), LoopFacts(log_every=0), 0),
         (_seen(progress_bar=True), LoopFacts(progress_every=0), 0),
         (_seen(), LoopFacts(), 0),  # logs nothing, reads nothing: the host runs ahead
+        (_seen(), LoopFacts(progress_every=0, log_every=0, synced=True), 1),  # the loop reads an exchanged value
     ],
 )
 def test_the_steps_between_two_reads(reads: StepReads | None, loop: LoopFacts, every: int) -> None:
@@ -145,6 +148,20 @@ def test_the_loop_facts_of_a_trainer(tmp_path: Any) -> None:
         accelerator="cpu", callbacks=[TQDMProgressBar(refresh_rate=7)], log_every_n_steps=20, default_root_dir=tmp_path
     )
     assert loop_facts(bar) == LoopFacts(progress_every=7, log_every=20, scaler=False)
+    # two processes: Lightning's loop broadcasts rank 0's SIGTERM flag on the device and reads it, every batch
+    ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False)
+    assert ddp.world_size == 2 and loop_facts(ddp).synced == lightning_syncs_each_step(2)
+    assert lightning_syncs_each_step(2) == hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+    assert not lightning_syncs_each_step(1)
+
+
+def test_the_installed_lightning_reads_its_broadcast_flag_every_batch() -> None:
+    """The fact behind ``synced``: if a Lightning release drops (or renames) the per-batch broadcast, this says so."""
+    if not hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
+        pytest.skip("this Lightning's loop exchanges nothing per batch")
+    source = inspect.getsource(_TrainingEpochLoop._broadcast_sigterm_tensor)
+    assert "broadcast" in source and ".item()" in source and "root_device" in source
+    assert "_broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
 
 
 # -- the price ----------------------------------------------------------------------------------------------
