@@ -23,7 +23,6 @@ from lightning_autopart.capture import capture
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec
 from lightning_autopart.errors import AutopartError, CheckpointError, ConfigError
-from lightning_autopart.lightning.first_batch import lightning_syncs_each_step
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan, with_planning_time
 from lightning_autopart.plan.report import WIDTH, print_plan, profiling_progress
@@ -256,12 +255,8 @@ def _plan(cfg: Namespace, out: Console, err: Console) -> None:
             loss=loss,
             loss_samples=samples,
             loader=loader,
-            loop=LoopFacts(
-                cfg.progress_bar_refresh,
-                cfg.log_every_n_steps,
-                scaler=cfg.precision == "16-mixed",
-                synced=lightning_syncs_each_step(cfg.devices * cfg.nodes),
-            ),
+            # strategy="autopart" takes SIGTERM, so Lightning's loop exchanges nothing per batch (synced=False)
+            loop=LoopFacts(cfg.progress_bar_refresh, cfg.log_every_n_steps, scaler=cfg.precision == "16-mixed"),
         )
     plan = with_planning_time(plan, time.perf_counter() - start)  # what the strategy's load_plan skips
     print_plan(plan, out)

@@ -107,10 +107,11 @@ def loop_loader(trainer: Any, hook: str) -> Any:
     return loaders
 
 
-def loop_facts(trainer: Any) -> LoopFacts:
+def loop_facts(trainer: Any, sigterm_broadcast: bool = True) -> LoopFacts:
     """What ``trainer``'s fit loop reads back from the device, how often ([Note: reads back]): its progress bar's
     refresh rate, its loggers' ``log_every_n_steps``, whether a gradient scaler checks every step and whether
-    the loop itself exchanges a value between its processes every step."""
+    the loop itself exchanges a value between its processes every step (Lightning's SIGTERM flag, unless
+    ``sigterm_broadcast`` says autopart's pre-emption leaves that out)."""
     bar = trainer.progress_bar_callback
     shown = bar is not None and bool(getattr(bar, "is_enabled", True))
     logged = bool(trainer.loggers)
@@ -118,7 +119,7 @@ def loop_facts(trainer: Any) -> LoopFacts:
         progress_every=max(0, int(getattr(bar, "refresh_rate", 1))) if shown else 0,
         log_every=max(0, int(trainer.log_every_n_steps)) if logged else 0,
         scaler=getattr(trainer.precision_plugin, "scaler", None) is not None,
-        synced=lightning_syncs_each_step(int(trainer.world_size)),
+        synced=sigterm_broadcast and lightning_syncs_each_step(int(trainer.world_size)),
     )
 
 

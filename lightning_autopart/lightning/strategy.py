@@ -337,7 +337,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             accumulate=trainer.accumulate_grad_batches,
             loader=loader if trainer.state.fn == TrainerFn.FITTING else None,
-            loop=loop_facts(trainer),
+            loop=loop_facts(trainer, sigterm_broadcast=not self._preemption.takes_sigterm),
         )
         with self.precision_plugin.forward_context():  # capture sees what the model will see (bf16-true...)
             return split_module(

@@ -17,7 +17,10 @@ launches). In a Lightning fit the reads come from:
 - in a job of several processes, Lightning's own training loop (2.6): before each batch it broadcasts rank 0's
   SIGTERM flag, a tensor on the strategy's device, and reads it (``.item()``) on every rank. On a GPU the
   broadcast waits for the kernels queued before it, so every step of every rank reads back, whatever the step
-  logs (:func:`lightning_syncs_each_step` in the adapter asks the installed Lightning).
+  logs (:func:`lightning_syncs_each_step` in the adapter asks the installed Lightning). The strategy leaves
+  that broadcast out while its own pre-emption handler holds SIGTERM, the default ([Note: Lightning's
+  per-batch SIGTERM broadcast] in ``lightning/preemption.py``), so this counts only with ``preempt_signals``
+  that leave SIGTERM to Lightning.
 
 :func:`readback_every` combines them into the steps between two reads (0: never; 1: every step). A step
 whose reads are unknown (its loss was not run, or callbacks read values) counts as reading back every step,

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.preemption import (
@@ -140,3 +141,24 @@ def test_after_a_fit_the_signals_have_their_handlers_from_before(tmp_path: Path)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, SIGNAL)}
     script.train(tmp_path, "all", _strategy(preempt_signals=("SIGTERM", SIGNAL)), 1, pace=0.0)
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+class _Broadcast(L.Callback):
+    """Records what the training loop calls for its per-batch SIGTERM broadcast during the fit."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen = trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor
+
+
+@pytest.mark.usefixtures("master_port")
+@pytest.mark.parametrize("signals", [("SIGTERM",), (SIGNAL,)], ids=["autopart-takes-sigterm", "lightning-keeps-it"])
+def test_lightnings_per_batch_sigterm_broadcast_is_left_out_while_autopart_holds_sigterm(
+    tmp_path: Path, signals: tuple[Any, ...]
+) -> None:
+    if not hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
+        pytest.skip("this Lightning's loop broadcasts nothing per batch")
+    watch = _Broadcast()
+    trainer = script.train(tmp_path, "all", _strategy(preempt_signals=signals), 1, pace=0.0, callbacks=(watch,))
+    left_out = signals == ("SIGTERM",)
+    assert (getattr(watch.seen, "__name__", "") == "_sigterm_kept_by_autopart") == left_out
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)  # Lightning's own after the fit

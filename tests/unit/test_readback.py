@@ -151,6 +151,7 @@ def test_the_loop_facts_of_a_trainer(tmp_path: Any) -> None:
     # two processes: Lightning's loop broadcasts rank 0's SIGTERM flag on the device and reads it, every batch
     ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False)
     assert ddp.world_size == 2 and loop_facts(ddp).synced == lightning_syncs_each_step(2)
+    assert not loop_facts(ddp, sigterm_broadcast=False).synced  # autopart's pre-emption leaves it out
     assert lightning_syncs_each_step(2) == hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
     assert not lightning_syncs_each_step(1)
 
