@@ -242,8 +242,26 @@ def read_aside(loader: Any) -> Iterator[None]:
     batches = getattr(loader, "batch_sampler", None)
     # the loader's own generator= and its samplers' draw the shuffle: a read aside must leave them too
     owners = (dataset, loader, getattr(loader, "sampler", None), batches, getattr(batches, "sampler", None))
-    with generators_kept(*owners), _attributes_kept(dataset) if streams else nullcontext():
-        yield
+    kept = getattr(loader, "_iterator", None)
+    try:
+        with generators_kept(*owners), _attributes_kept(dataset) if streams else nullcontext():
+            yield
+    finally:
+        _drop_new_persistent_iterator(loader, kept)
+
+
+def _drop_new_persistent_iterator(loader: Any, kept: Any) -> None:
+    """Shut down the worker iterator a read left in a ``persistent_workers`` loader that held none before.
+    Training would otherwise reuse it: its workers' generators advanced by the read and the global draw of a
+    fresh iterator's worker seed skipped, so an epoch's shuffle and augmentations would differ from plain
+    Lightning's."""
+    made = getattr(loader, "_iterator", None)
+    if made is None or made is kept:
+        return
+    loader._iterator = None
+    shutdown = getattr(made, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 def _per_sample_times(make: Callable[[], int], batches: int) -> list[float]:

@@ -389,11 +389,15 @@ class NoisyStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Regression(L.LightningModule):
-    def __init__(self, stream: bool = False, shuffle_seed: int | None = None) -> None:
+    def __init__(self, data: str = "map-style") -> None:
         super().__init__()
-        self.stream = NoisyStream() if stream else None  # built once, as a DataModule's setup() builds it
-        self.shuffle = None if shuffle_seed is None else torch.Generator().manual_seed(shuffle_seed)
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        # built once, as a DataModule's setup() builds them: the strategy reads the very loader training reads
+        self.stream = NoisyStream() if data == "iterable" else None
+        self.shuffle = torch.Generator().manual_seed(3) if data == "own-shuffle" else None
+        self.persistent = None
+        if data == "persistent-workers":  # its workers draw the noise; a read aside must not keep them alive
+            self.persistent = DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=1, persistent_workers=True)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 1))
         self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -407,6 +411,8 @@ class Regression(L.LightningModule):
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
         if self.stream is not None:
             return DataLoader(self.stream, batch_size=4)
+        if self.persistent is not None:
+            return self.persistent
         return DataLoader(Noisy(), batch_size=4, shuffle=True, generator=self.shuffle)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -415,7 +421,7 @@ class Regression(L.LightningModule):
 
 def _fit(strategy: object, data: str = "map-style") -> Regression:
     torch.manual_seed(7)
-    model = Regression(data == "iterable", 3 if data == "own-shuffle" else None)
+    model = Regression(data)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=6, logger=False,  # type: ignore[arg-type]
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -426,12 +432,13 @@ def _fit(strategy: object, data: str = "map-style") -> Regression:
 
 
 @pytest.mark.usefixtures("master_port")
-@pytest.mark.parametrize("data", ["map-style", "iterable", "own-shuffle"])
+@pytest.mark.parametrize("data", ["map-style", "iterable", "own-shuffle", "persistent-workers"])
 def test_the_strategy_prices_its_loader_and_training_draws_the_same_data(data: str) -> None:
     strategy = AutoPartitionStrategy(num_stages=1, micro_batches=1, profile="estimate")
     got = _fit(strategy, data)
     assert strategy.plan is not None and strategy.plan.prediction.data_us > 0
-    assert "ms/sample, 0 workers" in strategy.plan.notes["loader"]
+    workers = 1 if data == "persistent-workers" else 0
+    assert f"ms/sample, {workers} workers" in strategy.plan.notes["loader"]
     torch.distributed.destroy_process_group()
     assert got.losses == pytest.approx(_fit("auto", data).losses, rel=1e-5)  # same order, same noise
 
