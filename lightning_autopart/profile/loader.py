@@ -12,8 +12,9 @@ time over ``W``.
 
 :func:`time_loader` makes batches as the loader would, from the dataset and collate function it holds, at
 indices ``0, 1, ...`` (the sampler is not touched, so shuffling draws the same order in training). torch's,
-Python's and NumPy's global generators are restored afterwards, and so are the generators the dataset holds as
-attributes: a dataset that draws augmentations from either leaves training's draws unchanged. A batch counts its wall time (reads from disk wait, and count) less the time
+Python's and NumPy's global generators are restored afterwards, and so are the generators the dataset, the
+loader and its samplers hold (:func:`read_aside`): a dataset that draws augmentations from either leaves
+training's draws unchanged. A batch counts its wall time (reads from disk wait, and count) less the time
 its thread waited for a core (Linux's ``/proc/thread-self/schedstat``), and the quickest batch counts: other
 work on the machine while the plan is made stretches the wall clock, not the batch (tests running beside it
 made the examples' image batches take 9x longer), and a first, cold batch is no typical one. An iterable
@@ -23,8 +24,8 @@ reports training's). One whose ``iter()`` gives back the same iterator each time
 it aside would take training's samples, so it is not timed (None). Nor is a dataset whose first sample fails
 to load: the error is training's to report, at the sample training reads. Where the loader has no automatic
 batching (``batch_size=None`` and no ``batch_sampler``), each item is a whole batch of the step's samples.
-The cost model adds ``fetch_us(samples)`` per step with no workers where the loop reads a device value back every step (see
-[Note: reads back] in ``readback.py``; otherwise the fetch overlaps the device's work), or bounds the step
+The cost model adds ``fetch_us(samples)`` per step with no workers where the loop reads a device value back
+every step (see [Note: reads back] in ``readback.py``; otherwise the fetch overlaps the device's work), or bounds the step
 below by ``fetch_us(samples) / workers`` ([Note: loader in the step] in ``partition/cost.py``).
 """
 
@@ -152,10 +153,10 @@ def time_loader(loader: Any, samples: int, batches: int = 5) -> LoaderCost | Non
     collate = getattr(loader, "collate_fn", None)
     if not isinstance(loader, torch.utils.data.DataLoader) or dataset is None or collate is None:
         return None
-    # without automatic batching (no batch sampler), each item the dataset gives is a whole batch of ``samples``
-    whole = loader.batch_sampler is None
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return _time_stream(loader, dataset, samples, batches)
+    # without automatic batching (no batch sampler), each item the dataset gives is a whole batch of ``samples``
+    whole = loader.batch_sampler is None
     try:
         size = len(dataset)
     except TypeError:
@@ -178,9 +179,9 @@ def time_loader(loader: Any, samples: int, batches: int = 5) -> LoaderCost | Non
         collate(getitems(indices) if getitems else [dataset[i] for i in indices])
         return samples
 
-    with generators_kept(dataset):
+    with read_aside(loader):
         times = _per_sample_times(make, batches)
-    return LoaderCost(min(times) * 1e6, int(loader.num_workers), samples, len(times)) if times else None
+    return _cost(loader, samples, times)
 
 
 def _time_stream(
@@ -214,6 +215,11 @@ def _time_stream(
             times = _per_sample_times(make, batches)
         finally:
             _close(stream)
+    return _cost(loader, samples, times)
+
+
+def _cost(loader: Any, samples: int, times: list[float]) -> LoaderCost | None:
+    """The loader's cost from its batches' seconds per sample: the quickest counts ([Note: loader time])."""
     return LoaderCost(min(times) * 1e6, int(loader.num_workers), samples, len(times)) if times else None
 
 
