@@ -71,7 +71,7 @@ def build_parser() -> tuple[ArgumentParser, dict[str, ArgumentParser]]:
         help=f"a100-40gb, h100-80gb, ... (default: {DEFAULT_ESTIMATE_SPEC} for estimate, local device "
         "for measure).",
     )
-    plan.add_argument("--optimizer", type=str, default="sgd", help="sgd, sgd_momentum, adam or adamw.")
+    plan.add_argument("--optimizer", type=str, default="sgd", help="sgd, adam, adamw:fused... (docs/cli.md).")
     plan.add_argument(
         "--precision",
         type=str,

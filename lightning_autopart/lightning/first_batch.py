@@ -28,6 +28,8 @@ from lightning_autopart.lightning.reuse import (
 from lightning_autopart.plan import Plan, with_planning_time
 from lightning_autopart.profile.loader import read_aside, single_stream
 from lightning_autopart.profile.loss import LossFn
+from lightning_autopart.profile.optimizer_probe import describe_optimizer
+from lightning_autopart.profile.optimizers import optimizer_state_factor, optimizer_transient_factor
 from lightning_autopart.profile.readback import LoopFacts, with_readback
 from lightning_autopart.runtime.checkpoint import free_elsewhere
 from lightning_autopart.runtime.runner import move_in_place
@@ -42,7 +44,7 @@ __all__ = [
     "keep_local",
     "lightning_syncs_each_step",
     "loop_facts",
-    "optimizer_kind",
+    "optimizer_spec",
     "plan_for_batch",
 ]
 
@@ -62,7 +64,7 @@ class PlanSettings:
     load_plan: str | None = None
     save_plan: str | None = None
     max_blocks: int = 64
-    #: Optimizer whose state the memory model counts (see :func:`optimizer_kind`).
+    #: Optimizer whose state the memory model counts (see :func:`optimizer_spec`).
     optimizer: str = "sgd"
     #: Training precision the cost model prices (Lightning's names: "32-true", "bf16-mixed", ...).
     precision: str | None = None
@@ -74,21 +76,11 @@ class PlanSettings:
     loop: LoopFacts | None = None
 
 
-def optimizer_kind(optimizers: Iterable[Any]) -> str:
-    """The optimizer name the memory model knows ("sgd", "sgd_momentum", "adam", ...) for the user's optimizers.
-
-    Unknown optimizers count as "adam" (two states per parameter), the common worst case.
-    """
-    kinds = {"sgd": 0.0, "sgd_momentum": 1.0, "adagrad": 1.0, "rmsprop": 1.0, "adam": 2.0, "adamw": 2.0}
-    worst = "sgd"
-    for optimizer in optimizers:
-        name = type(optimizer).__name__.lower()
-        if name == "sgd":
-            momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-            name = "sgd_momentum" if momentum else "sgd"
-        name = name if name in kinds else "adam"
-        worst = name if kinds[name] > kinds[worst] else worst
-    return worst
+def optimizer_spec(optimizers: Iterable[Any], gpu: bool) -> str:
+    """The spec the memory model prices the user's optimizers by, each measured as it steps on a GPU (``gpu``) or
+    the CPU ([Note: measured optimizers]): with several, the one with the most state and temporaries."""
+    specs = [str(describe_optimizer(optimizer, gpu)) for optimizer in optimizers]
+    return max(specs, key=lambda s: optimizer_state_factor(s) + optimizer_transient_factor(s), default="sgd")
 
 
 def loop_loader(trainer: Any, hook: str) -> Any:

@@ -36,7 +36,7 @@ from lightning_autopart.lightning.first_batch import (
     keep_local,
     loop_facts,
     loop_loader,
-    optimizer_kind,
+    optimizer_spec,
 )
 from lightning_autopart.lightning.input_checks import check_stages
 from lightning_autopart.lightning.meta_init import MetaInit
@@ -333,7 +333,7 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
             "estimate" if on_meta else self.profile,
             self.load_plan,
             self.save_plan,
-            optimizer=optimizer_kind(self.optimizers),
+            optimizer=optimizer_spec(self.optimizers, gpu=self.root_device.type == "cuda"),
             precision=str(getattr(self.precision_plugin, "precision", "32-true")),
             accumulate=trainer.accumulate_grad_batches,
             loader=loader if trainer.state.fn == TrainerFn.FITTING else None,

@@ -7,12 +7,8 @@ from dataclasses import dataclass
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile.loader import LoaderCost
-from lightning_autopart.profile.records import (
-    ModelProfile,
-    cost_at,
-    optimizer_state_factor,
-    optimizer_transient_factor,
-)
+from lightning_autopart.profile.optimizers import optimizer_state_factor, optimizer_transient_factor
+from lightning_autopart.profile.records import ModelProfile, cost_at
 
 __all__ = ["CostTables", "RangeMax", "SizeTables", "TiedCopy"]
 

@@ -21,8 +21,9 @@ from lightning_autopart.profile.hints import failure_hint, warn_opaque
 from lightning_autopart.profile.measure import BlockFailed, measure_blocks
 from lightning_autopart.profile.memory import BlockMemory, account_memory
 from lightning_autopart.profile.opcount import Roofline
+from lightning_autopart.profile.optimizers import optimizer_state_factor
 from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
-from lightning_autopart.profile.records import BlockProfile, ModelProfile, optimizer_state_factor, with_curve
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, with_curve
 from lightning_autopart.profile.runner import BlockCost
 from lightning_autopart.profile.step import accumulate_us, optimizer_step_us
 

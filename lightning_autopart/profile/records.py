@@ -22,8 +22,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_autopart.errors import ConfigError
-
 if TYPE_CHECKING:
     from lightning_autopart.capture.graph import CapturedModel
 
@@ -36,41 +34,11 @@ __all__ = [
     "capture_fingerprint",
     "cost_at",
     "fingerprint_of",
-    "optimizer_state_factor",
-    "optimizer_transient_factor",
     "with_curve",
 ]
 
 #: One point of a cost curve: (samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes).
 CostPoint = tuple[int, float, float, int, int, int]
-
-#: Optimizer state kept per parameter, in multiples of the parameter's own bytes.
-_OPTIMIZER_STATE_FACTORS: dict[str, float] = {
-    "sgd": 0.0,
-    "sgd_momentum": 1.0,
-    "adagrad": 1.0,
-    "rmsprop": 1.0,
-    "adam": 2.0,
-    "adamw": 2.0,
-}
-
-
-def optimizer_state_factor(optimizer: str) -> float:
-    """Bytes of optimizer state per byte of parameter for an optimizer name ("sgd", "sgd_momentum", "adam", ...)."""
-    key = optimizer.lower().replace("-", "_").replace("+", "_")
-    if key in ("sgd_m", "momentum", "sgdm"):
-        key = "sgd_momentum"
-    if key not in _OPTIMIZER_STATE_FACTORS:
-        known = ", ".join(sorted(_OPTIMIZER_STATE_FACTORS))
-        raise ConfigError(f"unknown optimizer {optimizer!r}; use one of: {known}")
-    return _OPTIMIZER_STATE_FACTORS[key]
-
-
-def optimizer_transient_factor(optimizer: str) -> float:
-    """Bytes the optimizer step allocates for its duration, per byte of trainable parameters (Adam's foreach
-    implementation makes one parameter-sized temporary, the square root of its second moment)."""
-    return 1.0 if optimizer.lower() in ("adam", "adamw") else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class BlockProfile:

@@ -12,9 +12,12 @@ parameter-sized passes (each read or write of a parameter, gradient, state or te
 - adam: lerp of the first moment (3), scale and addcmul of the second (2 + 4), its sqrt, bias correction and eps
   on a temporary (2 + 2 + 2), addcdiv into the parameter (4) -- 8 kernels, 19 passes; adamw adds the decay (2).
 
-On a GPU one multi-tensor launch covers many tensors (about ``_TENSORS_PER_LAUNCH``); on a CPU each tensor is
-its own kernel call. Lightning's ``zero_grad`` sets gradients to None: free. Adam's sqrt temporary is one
-parameter-sized buffer alive during the step (``records.optimizer_transient_factor``).
+On a GPU one multi-tensor launch covers many tensors (about ``_TENSORS_PER_LAUNCH``); on a CPU, and in the
+``loop`` implementation (``foreach=False``), each tensor is its own kernel call. A ``fused`` step is one kernel
+per launch that reads the parameter, gradient and states once and writes the parameter and states once: 7
+passes for Adam, 3 for SGD. Lightning's ``zero_grad`` sets gradients to None: free. The temporaries of the step
+(Adam's sqrt: one parameter-sized buffer) are in ``optimizers.optimizer_transient_factor``; the tables and the
+spec's grammar in [Note: optimizer specs] (optimizers.py).
 
 [Note: gradient accumulation] A step of ``M`` micro-batches runs a stage's backward ``M`` times. The first
 finds every gradient None and keeps the one backward made; each later one adds into it, one ``add_`` per
@@ -29,29 +32,22 @@ backward (all of it when gradients outlive the step: Lightning's ``accumulate_gr
 from __future__ import annotations
 
 from lightning_autopart.devices import DeviceSpec
+from lightning_autopart.profile.optimizers import optimizer_steps
 
 __all__ = ["accumulate_us", "optimizer_step_us"]
-
-#: Per optimizer: (kernels per parameter group, parameter-sized memory passes); see [Note: optimizer step].
-_STEPS: dict[str, tuple[int, int]] = {
-    "sgd": (1, 3),
-    "sgd_momentum": (3, 8),
-    "adagrad": (4, 9),
-    "rmsprop": (4, 10),
-    "adam": (8, 19),
-    "adamw": (9, 21),
-}
 
 #: Tensors one multi-tensor-apply launch covers on a GPU (torch's chunking covers a few dozen).
 _TENSORS_PER_LAUNCH = 24
 
 
 def optimizer_step_us(optimizer: str, param_bytes: int, tensors: int, spec: DeviceSpec, gpu: bool) -> float:
-    """Time of the optimizer step over ``tensors`` trainable parameters of ``param_bytes`` in all, on ``spec``."""
+    """Time of the optimizer step (an optimizer spec, [Note: optimizer specs]) over ``tensors`` trainable parameters
+    of ``param_bytes`` in all, on ``spec``."""
     if tensors == 0 or param_bytes == 0:
         return 0.0
-    kernels, passes = _STEPS.get(optimizer, _STEPS["adam"])
-    launches = kernels * (-(-tensors // _TENSORS_PER_LAUNCH) if gpu else tensors)
+    kernels, passes, implementation = optimizer_steps(optimizer)
+    grouped = gpu and implementation != "loop"
+    launches = kernels * (-(-tensors // _TENSORS_PER_LAUNCH) if grouped else tensors)
     return passes * param_bytes / (spec.memory_bw * spec.bw_efficiency) * 1e6 + launches * spec.launch_us
 
 

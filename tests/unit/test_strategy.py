@@ -290,16 +290,17 @@ def test_default_settings_plan_from_the_first_batch() -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_optimizer_kind_sizes_the_state_the_user_configured() -> None:
-    from lightning_autopart.lightning.first_batch import optimizer_kind
+def test_optimizer_spec_sizes_the_state_the_user_configured() -> None:
+    from lightning_autopart.lightning.first_batch import optimizer_spec
 
-    p = [torch.nn.Parameter(torch.zeros(2))]
-    assert optimizer_kind([torch.optim.SGD(p, lr=0.1)]) == "sgd"
-    assert optimizer_kind([torch.optim.SGD(p, lr=0.1, momentum=0.9)]) == "sgd_momentum"
-    assert optimizer_kind([torch.optim.AdamW(p)]) == "adamw"
-    assert optimizer_kind([torch.optim.SGD(p, lr=0.1), torch.optim.Adam(p)]) == "adam"
-    assert optimizer_kind([torch.optim.LBFGS(p)]) == "adam"  # unknown: counted as two states per parameter
-    assert optimizer_kind([]) == "sgd"
+    p = [torch.nn.Parameter(torch.zeros(64))]
+    assert optimizer_spec([torch.optim.SGD(p, lr=0.1)], gpu=True) == "sgd:state=0,transient=0"
+    assert optimizer_spec([torch.optim.SGD(p, lr=0.1, momentum=0.9)], gpu=True) == "sgd_momentum:state=1,transient=0"
+    assert optimizer_spec([torch.optim.AdamW(p)], gpu=True) == "adamw:decay,state=2,transient=1"
+    assert optimizer_spec([torch.optim.AdamW(p, fused=True)], gpu=True) == "adamw:fused,decay,state=2,transient=0"
+    assert optimizer_spec([torch.optim.SGD(p, lr=0.1), torch.optim.Adam(p)], gpu=True) == "adam:state=2,transient=1"
+    assert optimizer_spec([torch.optim.LBFGS(p)], gpu=True) == "adam:loop"  # no stand-in: priced as Adam
+    assert optimizer_spec([], gpu=True) == "sgd"
 
 
 def test_move_in_place_to_the_same_device_changes_nothing() -> None:
