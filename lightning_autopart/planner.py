@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec, device_spec_names
@@ -69,7 +72,7 @@ def profile_model(
     that fails there is left unpriced and ``meta["loss_error"]`` says why. ``dtype`` is the training precision
     ("32-true", "bf16-mixed", "16-mixed", "bf16-true", ...; default: the parameters' dtype).
     """
-    from lightning_autopart.capture import capture
+    from lightning_autopart.capture import capture as capture_model
     from lightning_autopart.profile import profile as profile_blocks
     from lightning_autopart.profile.curves import (
         add_loss,
@@ -82,7 +85,13 @@ def profile_model(
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
-    captured = capture(model, example_inputs, max_blocks=max_blocks)
+    model, example_inputs, default_dtype = _as_trained(model, example_inputs, dtype)
+
+    def capture(inputs: Any, max_blocks: int) -> CapturedModel:
+        with _default_dtype(default_dtype):
+            return capture_model(model, inputs, max_blocks=max_blocks)
+
+    captured = capture(example_inputs, max_blocks=max_blocks)
     reads = _loss_reads(captured, loss) if loss is not None else None
     _mark_dead_outputs(captured, reads)
     b0 = captured.batch_size
@@ -90,7 +99,7 @@ def profile_model(
     settings: dict[str, Any] = {"mode": profile, "spec": spec, "optimizer": optimizer, "dtype": dtype}
     outputs: dict[int, Any] = {}
     if profile == "estimate" and up_to is not None:
-        twin = capture(model, resize_batch(example_inputs, b0, 2 * b0), max_blocks=max_blocks)
+        twin = capture(resize_batch(example_inputs, b0, 2 * b0), max_blocks=max_blocks)
         _mark_dead_outputs(twin, reads)
         if twin.batch_size != 2 * b0 or twin.num_blocks != captured.num_blocks:
             raise ProfileError(
@@ -106,9 +115,7 @@ def profile_model(
         for size in sizes:
             last = size == sizes[-1]
             try:
-                at = captured if size == b0 else capture(
-                    model, resize_batch(example_inputs, b0, size), max_blocks=max_blocks
-                )
+                at = captured if size == b0 else capture(resize_batch(example_inputs, b0, size), max_blocks)
                 _mark_dead_outputs(at, reads)
                 profiles[size] = profile_blocks(at, **settings, progress=progress if last else None)
             except (CaptureError, ProfileError) as error:
@@ -130,6 +137,42 @@ def profile_model(
         except Exception as error:  # user code: the loss stays unpriced, and the profile says why
             notes["loss_error"] = f"{type(error).__name__}: {error}"
     return dataclasses.replace(result, meta={**result.meta, **notes}) if notes else result
+
+
+def _as_trained(model: nn.Module, example_inputs: Any, dtype: str | None) -> tuple[nn.Module, Any, torch.dtype | None]:
+    """The model, its inputs and the default dtype as Lightning trains them at a "-true" precision.
+
+    Lightning's true-precision plugins convert the module and the floating inputs to the precision's dtype and
+    run the forward with it as the default dtype. A model built in float32 and planned for "bf16-true" must be
+    captured so too: a graph traced in float32 keeps a Llama's RMSNorm and rotary tables in float32 (their casts
+    to the input's dtype vanish from it), and every activation after them. So a model whose floating parameters
+    or buffers are not in that dtype is captured as a converted copy (free on meta; on real weights a copy)."""
+    from lightning_autopart.profile.precision import parse_precision
+
+    precision = parse_precision(dtype, model) if dtype is not None else None
+    target = precision.param if precision is not None and not precision.mixed else None
+    if target is None:
+        return model, example_inputs, None
+    state = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    if any(t.dtype != target for t in state):
+        model = copy.deepcopy(model).to(target)
+
+    def cast(t: Any) -> Any:
+        return t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return model, tree_map(cast, example_inputs), target
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` inside (nothing for None), restored after."""
+    before = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _loss_reads(captured: CapturedModel, loss: LossFn) -> tuple[bool, ...] | None:
