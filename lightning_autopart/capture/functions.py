@@ -15,6 +15,10 @@ clipped gradient would train silently wrong, and reentrant activation checkpoint
   Function itself at every step.
 - The Functions torch generates for custom operators (``torch.library``) are not checked: such an operator
   stays one node of the graph, with its own backward.
+- A Function that passes may still save less for backward than its operations do: BLOOM's GeLU saves its input
+  and recomputes the rest in backward, while the captured stages save the operations' intermediates (7x the
+  bytes there). The check measures both with a saved-tensor hook; capture warns and notes it, with the fix (a
+  custom operator keeps the Function's saving), and the plan prices what the stages save.
 """
 
 from __future__ import annotations
@@ -48,16 +52,30 @@ class FunctionCalls:
         default_factory=dict
     )
     checkpoints: int = 0
+    #: Functions kept as their operations that save more for backward than the Function: (name, bytes the
+    #: Function saves, bytes its operations save), on the checked inputs.
+    heavier: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def memory_notes(self) -> list[str]:
+        """Functions whose operations save more than they did, and the fix (the capture warns of them)."""
+        return [
+            f"the autograd.Function {name} saves less for backward than its operations, as captured, do: the "
+            f"stages hold {inlined / custom:.1f}x the bytes eager training holds there, and the plan prices that. "
+            "To keep its saving, make it a custom operator (torch.library.custom_op, with register_fake and "
+            "register_autograd): it then stays one operation with its own backward"
+            for name, custom, inlined in self.heavier
+        ]
 
     def notes(self) -> list[str]:
-        """What the user should know of the capture: checkpointing not kept."""
-        if not self.checkpoints:
-            return []
-        return [
-            f"the forward's activation checkpointing (torch.utils.checkpoint, {self.checkpoints} calls) is "
-            "not kept in the captured stages; the plan recomputes whole stages where memory needs it (its "
-            "'checkpoint' column)"
-        ]
+        """What the user should know of the capture: Functions that saved less, checkpointing not kept."""
+        notes = self.memory_notes()
+        if self.checkpoints:
+            notes.append(
+                f"the forward's activation checkpointing (torch.utils.checkpoint, {self.checkpoints} calls) is "
+                "not kept in the captured stages; the plan recomputes whole stages where memory needs it (its "
+                "'checkpoint' column)"
+            )
+        return notes
 
 
 class _PlainCheckpoint:
@@ -106,7 +124,7 @@ def watch_functions(cls: str) -> Iterator[FunctionCalls]:
         for name, original in originals.items():
             setattr(checkpointing, name, original)
     for function, described, spec in found.calls.values():
-        reason = check_function(function, described, spec)
+        reason = check_function(function, described, spec, found)
         if reason:
             raise CaptureError(
                 f"{cls}.forward calls the autograd.Function {function.__qualname__}, whose backward "
@@ -114,16 +132,22 @@ def watch_functions(cls: str) -> Iterator[FunctionCalls]:
             )
 
 
-def check_function(function: type[Function], described: list[Any], spec: pytree.TreeSpec) -> str:
+def check_function(
+    function: type[Function], described: list[Any], spec: pytree.TreeSpec, found: FunctionCalls | None = None
+) -> str:
     """Why exporting ``function`` would change training ("" where it would not): its backward must equal
     autograd's derivative of its forward, on random inputs shaped as ``described`` (see
-    :func:`watch_functions`), outputs that need a gradient alike."""
+    :func:`watch_functions`), outputs that need a gradient alike. A Function that passes but saves less for
+    backward than its operations do (BLOOM's GeLU saves its input alone) is listed in ``found.heavier``."""
     specs = [d for d in described if isinstance(d, _TensorSpec)]
     cuda = sorted({d.device.index or 0 for d in specs if d.device.type == "cuda"})
+    saved_custom, saved_inlined = _SavedBytes(), _SavedBytes()
     try:
         with torch.random.fork_rng(devices=cuda):  # leaves the user's generators as they were
-            custom, custom_inputs = _run(function.apply, described, spec, cuda)
-            inlined, inlined_inputs = _run(_inline(function), described, spec, cuda)
+            with saved_custom:
+                custom, custom_inputs = _run(function.apply, described, spec, cuda)
+            with saved_inlined:
+                inlined, inlined_inputs = _run(_inline(function), described, spec, cuda)
     except Exception as error:
         return f"it could not be checked: {type(error).__name__}: {_first_line(error)}"
     if [o.requires_grad for o in custom] != [o.requires_grad for o in inlined]:
@@ -143,7 +167,33 @@ def check_function(function: type[Function], described: list[Any], spec: pytree.
         scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
         if w.shape != g.shape or not torch.allclose(w.float(), g.float(), tolerance, tolerance * scale):
             return "its backward is not the derivative of its forward"
+    few, many = saved_custom.total, saved_inlined.total
+    if found is not None and few and many > max(1.25 * few, few + 4096):
+        found.heavier.append((function.__qualname__, few, many))
     return ""
+
+
+class _SavedBytes:
+    """Counts the distinct storages autograd saves for backward while active (a saved-tensor hook)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self.sizes[storage._cdata] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> None:
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
 
 
 def _first_line(error: BaseException) -> str:

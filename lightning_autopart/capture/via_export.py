@@ -13,6 +13,7 @@ import dataclasses
 import io
 import logging
 import operator
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -132,6 +133,8 @@ def capture_export(
         module, "export", blocks, inputs_info, values, out_names, split_graph, found[-1], grads
     )
     captured = dataclasses.replace(captured, notes=(*captured.notes, *functions.notes()))
+    for note in functions.memory_notes():  # memory the user can win back: said aloud
+        warnings.warn(note, stacklevel=3)
     if not check_eval:
         return captured
 

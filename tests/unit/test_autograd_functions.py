@@ -45,6 +45,21 @@ class Square(torch.autograd.Function):
         return 2 * x * grad
 
 
+class TanhGelu(torch.autograd.Function):
+    """BLOOM's GeLU: saves its input alone and recomputes the tanh in backward (its operations save five tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
 class Applies(nn.Module):
     def __init__(self, function: type[torch.autograd.Function]) -> None:
         super().__init__()
@@ -80,6 +95,17 @@ def test_a_hand_written_derivative_is_exported() -> None:
     captured = capture(model, x)
     assert captured.method == "export" and captured.notes == ()
     assert_grads_equal_eager(model, captured, x)
+
+
+def test_a_function_that_saves_less_than_its_operations_is_exported_with_a_note() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), Applies(TanhGelu), nn.Linear(256, 8))
+    x = torch.randn(16, 64)
+    with pytest.warns(UserWarning, match=r"Function TanhGelu saves less .* hold 7.0x the bytes") as warned:
+        captured = capture(model, x)
+    assert captured.method == "export"
+    assert_grads_equal_eager(model, captured, x)
+    assert captured.notes == (str(warned[0].message),) and "torch.library.custom_op" in captured.notes[0]
 
 
 def test_checking_a_function_leaves_the_random_generators_as_they_were() -> None:
