@@ -7,7 +7,8 @@
 - :class:`PeakTracker` follows the storages ops create (and the ones it is told about) until they die, and
   keeps the peak of their sum: the step's peak tensor bytes, as ``torch.cuda.max_memory_allocated`` would
   see it but on any device.
-- :class:`StepProbe` is a Lightning callback running all three over a window of training batches.
+- :class:`StepProbe` is a Lightning callback running all three over a window of training batches;
+  :class:`StepPeak` the peak alone, seeded with the model's, the optimizer's and the batch's tensors only.
 
 They see tensors, not allocators: the caching allocator's reserve, kernel workspaces and temporaries a
 native kernel allocates and frees inside one op are invisible to all of them.
@@ -27,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakTracker", "StepProbe", "SyncCounter", "live_tensor_bytes"]
+__all__ = ["PeakTracker", "StepPeak", "StepProbe", "SyncCounter", "live_tensor_bytes"]
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _THIS_FILE = __file__
@@ -382,3 +383,35 @@ class StepProbe(L.Callback):
         self.peaks.append(tracker.peak)
         if self.trace:
             self.where.append(counter.where)
+
+
+class StepPeak(L.Callback):
+    """The peak tensor bytes of training batches ``start <= i < stop``: the model's and the optimizer's tensors and
+    the batch at the step's start, plus every storage the step creates, as they live and die.
+
+    Unlike :class:`StepProbe`, whose census counts every tensor of the process, it counts nothing another test
+    or object left alive: a peak to compare with a prediction for this model alone (``batch_idx`` counts the
+    first epoch's batches)."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+        #: The absolute peak of each probed batch.
+        self.peaks: list[int] = []
+        self._tracker: PeakTracker | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, lm: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.start <= batch_idx < self.stop:
+            return
+        state = [*lm.parameters(), *lm.buffers(), *(p.grad for p in lm.parameters() if p.grad is not None)]
+        state += [t for o in trainer.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+        state += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        self._tracker = PeakTracker()
+        self._tracker.track({t.untyped_storage()._cdata: t.untyped_storage() for t in state}.values())
+        self._tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, lm: L.LightningModule, out: Any, batch: Any, i: int) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self.peaks.append(self._tracker.peak)
+            self._tracker = None

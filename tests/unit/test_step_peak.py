@@ -29,7 +29,7 @@ from lightning_autopart.lightning.first_batch import optimizer_spec
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.partition import partition
 from lightning_autopart.planner import meta_inputs, profile_model
-from tests.census import PeakTracker
+from tests.census import StepPeak
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,39 +140,13 @@ CASES: dict[str, tuple[Callable[[], Any], str, Callable[[Any], optim.Optimizer],
 }  # fmt: skip
 
 
-class StepPeak(L.Callback):
-    """The peak tensor bytes of training batches ``start <= i < stop``: the model's and the optimizer's tensors and
-    the batch at the step's start, plus every storage the step creates, as they live and die."""
-
-    def __init__(self, start: int, stop: int) -> None:
-        self.start, self.stop, self.peaks = start, stop, []
-        self._tracker: PeakTracker | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, lm: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self.start <= batch_idx < self.stop:
-            return
-        state = [*lm.parameters(), *lm.buffers(), *(p.grad for p in lm.parameters() if p.grad is not None)]
-        state += [t for o in trainer.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
-        state += [t for t in batch.values() if torch.is_tensor(t)]
-        self._tracker = PeakTracker()
-        self._tracker.track({t.untyped_storage()._cdata: t.untyped_storage() for t in state}.values())
-        self._tracker.__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, lm: L.LightningModule, out: Any, batch: Any, i: int) -> None:
-        if self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-            self.peaks.append(self._tracker.peak)
-            self._tracker = None
-
-
-def _predicted(case: str) -> int:
-    """Estimate mode's one-device plan of the case on an H100 spec, planned as the strategy plans."""
-    build, kind, make_optimizer, precision, samples = CASES[case]
-    batch = next(iter(DataLoader(Samples(kind), batch_size=samples)))
+def predicted_peak(make: Callable[[], L.LightningModule], batch: Any, precision: str) -> int:
+    """Estimate mode's peak for one device of an H100 spec, the module built on meta and planned as the strategy
+    plans it: its ``training_step`` and loss found, its own optimizer measured as a GPU steps it."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        lm = HFStep(build, make_optimizer)
-    spec = optimizer_spec([make_optimizer(lm.parameters())], gpu=True)
+        lm = make()
+    spec = optimizer_spec([lm.configure_optimizers()], gpu=True)
     batch = meta_inputs(batch)
     call = find_forward(lm, lambda: lm.training_step(batch, 0))
     root = lm.get_submodule(call.name) if call.name else lm
@@ -182,22 +156,33 @@ def _predicted(case: str) -> int:
         loss=step_loss(lm, call.name, batch, size), dtype=precision,
     )  # fmt: skip
     cluster = Cluster.from_spec("h100", devices=1)
-    plan = partition(prof, cluster, samples, num_stages=1, micro_batches=1, checkpointing=False)
+    plan = partition(prof, cluster, size, num_stages=1, micro_batches=1, checkpointing=False)
     return plan.prediction.peak_memory_bytes
 
 
-def _measured(case: str) -> int:
-    """The peak tensor bytes of plain Lightning's steps 2-3 of the case on the CPU."""
-    build, kind, make_optimizer, precision, samples = CASES[case]
+def measured_peak(make: Callable[[], L.LightningModule], loader: DataLoader[Any], precision: str) -> int:
+    """The peak tensor bytes of plain Lightning's training batches 2 and 3 on the CPU."""
     torch.manual_seed(0)
-    lm = HFStep(build, make_optimizer)
+    lm = make()
     probe = StepPeak(2, 4)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=4, precision=precision, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )  # fmt: skip
-    trainer.fit(lm, DataLoader(Samples(kind), batch_size=samples))
+    trainer.fit(lm, loader)
     return max(probe.peaks)
+
+
+def _predicted(case: str) -> int:
+    build, kind, make_optimizer, precision, samples = CASES[case]
+    batch = next(iter(DataLoader(Samples(kind), batch_size=samples)))
+    return predicted_peak(lambda: HFStep(build, make_optimizer), batch, precision)
+
+
+def _measured(case: str) -> int:
+    build, kind, make_optimizer, precision, samples = CASES[case]
+    loader = DataLoader(Samples(kind), batch_size=samples)
+    return measured_peak(lambda: HFStep(build, make_optimizer), loader, precision)
 
 
 @pytest.mark.parametrize("case", list(CASES))
