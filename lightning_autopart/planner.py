@@ -146,15 +146,15 @@ def _as_trained(model: nn.Module, example_inputs: Any, dtype: str | None) -> tup
     run the forward with it as the default dtype. A model built in float32 and planned for "bf16-true" must be
     captured so too: a graph traced in float32 keeps a Llama's RMSNorm and rotary tables in float32 (their casts
     to the input's dtype vanish from it), and every activation after them. So a model whose floating parameters
-    or buffers are not in that dtype is captured as a converted copy (free on meta; on real weights a copy)."""
+    are not in that dtype is captured as a converted copy (free on meta; on real weights a copy). One already
+    converted (the strategy's) is captured as it is."""
     from lightning_autopart.profile.precision import parse_precision
 
     precision = parse_precision(dtype, model) if dtype is not None else None
     target = precision.param if precision is not None and not precision.mixed else None
     if target is None:
         return model, example_inputs, None
-    state = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
-    if any(t.dtype != target for t in state):
+    if any(p.dtype != target for p in model.parameters() if p.is_floating_point()):  # not converted yet
         model = copy.deepcopy(model).to(target)
 
     def cast(t: Any) -> Any:
