@@ -141,12 +141,14 @@ def check_function(
     backward than its operations do (BLOOM's GeLU saves its input alone) is listed in ``found.heavier``."""
     specs = [d for d in described if isinstance(d, _TensorSpec)]
     cuda = sorted({d.device.index or 0 for d in specs if d.device.type == "cuda"})
-    saved_custom, saved_inlined = _SavedBytes(), _SavedBytes()
+    from lightning_autopart.profile.saved import SavedTensorMeter  # the profiler's meter (no import cycle)
+
+    saved_custom, saved_inlined = SavedTensorMeter(), SavedTensorMeter()
     try:
         with torch.random.fork_rng(devices=cuda):  # leaves the user's generators as they were
-            with saved_custom:
+            with saved_custom.hooks():
                 custom, custom_inputs = _run(function.apply, described, spec, cuda)
-            with saved_inlined:
+            with saved_inlined.hooks():
                 inlined, inlined_inputs = _run(_inline(function), described, spec, cuda)
     except Exception as error:
         return f"it could not be checked: {type(error).__name__}: {_first_line(error)}"
@@ -167,33 +169,10 @@ def check_function(
         scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
         if w.shape != g.shape or not torch.allclose(w.float(), g.float(), tolerance, tolerance * scale):
             return "its backward is not the derivative of its forward"
-    few, many = saved_custom.total, saved_inlined.total
+    few, many = saved_custom.nbytes, saved_inlined.nbytes
     if found is not None and few and many > max(1.25 * few, few + 4096):
         found.heavier.append((function.__qualname__, few, many))
     return ""
-
-
-class _SavedBytes:
-    """Counts the distinct storages autograd saves for backward while active (a saved-tensor hook)."""
-
-    def __init__(self) -> None:
-        self.sizes: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        self.sizes[storage._cdata] = storage.nbytes()
-        return t
-
-    def __enter__(self) -> None:
-        self._hooks.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes.values())
 
 
 def _first_line(error: BaseException) -> str:

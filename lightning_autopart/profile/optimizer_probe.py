@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_autopart.profile.optimizers import OptimizerSpec
+from lightning_autopart.profile.optimizers import KINDS, OptimizerSpec
 from lightning_autopart.profile.transient import AllocationMeter
 
 __all__ = ["describe_optimizer"]
@@ -29,7 +29,6 @@ __all__ = ["describe_optimizer"]
 _ELEMENTS = 1 << 15
 #: Stand-in tensors per group: a loop keeps a few tensors' temporaries at a time, a share of the group's bytes.
 _TENSORS = 8
-_KNOWN = ("sgd", "sgd_momentum", "adagrad", "rmsprop", "adam", "adamw")
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer, gpu: bool) -> OptimizerSpec:
@@ -45,7 +44,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, gpu: bool) -> Optimizer
     try:
         state, transient = _measure(optimizer, implementation)
     except Exception:  # any failure of a stand-in falls back to the tables
-        return OptimizerSpec(kind if kind in _KNOWN else "adam", implementation, amsgrad, decay)
+        return OptimizerSpec(kind if kind in KINDS else "adam", implementation, amsgrad, decay)
     return OptimizerSpec(kind, implementation, amsgrad, decay, round(state, 3), round(transient, 3))
 
 

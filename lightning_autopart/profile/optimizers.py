@@ -29,6 +29,7 @@ from typing import NamedTuple
 from lightning_autopart.errors import ConfigError
 
 __all__ = [
+    "KINDS",
     "OptimizerSpec",
     "optimizer_state_factor",
     "optimizer_steps",
@@ -45,6 +46,9 @@ _STATE: dict[str, float] = {
     "adam": 2.0,
     "adamw": 2.0,
 }
+
+#: The kinds the tables know.
+KINDS = tuple(_STATE)
 
 #: Temporaries of the foreach step, per byte of parameters: without weight decay, and with it.
 _TRANSIENT: dict[str, tuple[float, float]] = {
