@@ -112,8 +112,8 @@ class WireStage(nn.Module):
             for carrier, (dtype, needs_grad) in zip(values, self._in, strict=True):
                 if needs_grad and _floating(dtype):
                     decoded.append(carrier)
-                else:
-                    decoded.append(decode(carrier, dtype))
+                else:  # detached, floating ones too: autograd would save what multiplies them (rotary tables)
+                    decoded.append(decode(carrier.detach(), dtype))
                     untouched.append(carrier)
             values = tuple(decoded)
         outputs = self.stage(*values)
