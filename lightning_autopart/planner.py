@@ -81,7 +81,7 @@ def profile_model(
         join_curves,
         resize_batch,
     )
-    from lightning_autopart.profile.loss import profile_loss
+    from lightning_autopart.profile.loss import batch_bytes, profile_loss
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
@@ -127,6 +127,9 @@ def profile_model(
             outputs[size] = _example_output(at, device)
         result = join_curves(profiles) if len(profiles) > 1 else next(iter(profiles.values()))
     if loss is not None:
+        per_sample = batch_bytes(loss, default_dtype)
+        if per_sample is not None:
+            notes["batch_bytes"] = per_sample
         roofline = _roofline_of(result) if profile == "estimate" else None
         limit = loss_samples if loss_samples is not None else (up_to or b0)
         try:

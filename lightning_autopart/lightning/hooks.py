@@ -276,6 +276,9 @@ class StepLoss:
     def __init__(self, module: Any, root_name: str, batch: Any, batch_size: int) -> None:
         self.module, self.root_name, self.batch, self.batch_size = module, root_name, batch, batch_size
         self.reads = StepReads()
+        #: The slice of the batch the last call read, on the output's device (what the profiler's
+        #: ``profile_loss`` leaves out of the loss's saved bytes: the batch is priced on its own).
+        self.sliced: Any = ()
 
     def __call__(self, output: Any, samples: int) -> torch.Tensor:
         module = self.module
@@ -283,6 +286,7 @@ class StepLoss:
         part = slice_batch(self.batch, 0, samples, self.batch_size)
         if device is not None:
             part = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, part)
+        self.sliced = part
         root = module.get_submodule(self.root_name) if self.root_name else module
         watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
         with replaced_forward(root, output), _patched_log(module, self._log), _metrics_kept(module), watch:

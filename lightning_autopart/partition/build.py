@@ -65,6 +65,7 @@ def build_plan(
                 in_flight=sc.in_flight,
                 memory_bytes=sc.memory_bytes,
                 transient_bytes=sc.transient_bytes,
+                io_bytes=sc.io_bytes,
                 optimizer_us=sc.optimizer_us,
             )
         )

@@ -22,11 +22,12 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
               | min(M, ceil((S - p) * (1 + (S - 1) / (S*v))))  (Interleaved1F1B, per chunk)
     X = max x_k                                                 (one micro-batch's backward at a time)
     Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
-    D = min(u, grads, X) if fresh else 0                        (gradients not yet made at the peak, see below)
-    memory_off = static + max(in_flight * sum a_k + X - D, Y)            (u = sum a_k)
-    memory_on  = static + max(in_flight * c_{i-1} + sum a_k + X - D, Y)  (u = c_{i-1}; checkpointing: keep only
-                                                              the stage input per micro-batch, recompute one
-                                                              micro-batch at a time)
+    D = min(u, grads, X if S*v = 1 else grads) if fresh else 0  (gradients not yet made at the peak, see below)
+    memory_off = static + P + max(in_flight * sum a_k + X - D + Q_off, Y)            (u = sum a_k)
+    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + X - D + Q_on, Y)  (u = c_{i-1}; checkpointing:
+                                                              keep only the stage input per micro-batch,
+                                                              recompute one micro-batch at a time)
+    P, Q = the batch and the pipeline's buffers, kept and in flight ([Note: pipeline buffers])
     checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
     p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
     h = 2 * action_us if V > 1 else 0                           (host time of a micro-batch's two actions; a
@@ -50,9 +51,32 @@ dropped at the step's start (no accumulation over steps), and every micro-batch 
 (``in_flight == M``: GPipe, or 1F1B with M <= S - p; a single stage runs one micro-batch at a time, so only
 M = 1). Its first backward then starts without gradients (peak ``M u + X``); the gradients appear as
 activations free, so later backwards hold ``(M - 1) u + grads + X``: the larger is ``M u + X - min(u, grads)``.
-``D <= X`` keeps the forward's end with last step's gradients (``M u + grads``) as a bound: plain Lightning
-zeroes them after the forward, before backward. On an H100 this took the predicted peak of a GPT-2 and a Llama
-in bf16-mixed from 1.14 and 1.10 to 1.08 and 1.03 of the measured one.
+With a single stage ``D <= X`` keeps the forward's end with last step's gradients (``M u + grads``) as a bound:
+plain Lightning zeroes them after the forward, before backward. On an H100 this took the predicted peak of a
+GPT-2 and a Llama in bf16-mixed from 1.14 and 1.10 to 1.08 and 1.03 of the measured one. A pipelined step
+drops them before its first forward (the strategy's ``training_step``), so there ``D = min(u, grads)``.
+
+[Note: pipeline buffers] Besides its state and activations, a rank holds what the step moves:
+
+- the replica's whole batch, labels too (``B/r`` samples of ``batch_bytes``, at least the model's inputs):
+  Lightning moves it to every rank's device and it lives through the step; the first stage's micro-batches
+  are views of it (interleaved chunks share it: ``/ v``);
+- torch.distributed.pipelining's receive buffers, made at the first step, one per micro-batch, and kept: the
+  activations into a stage after the first (``recv_i = c_{i-1}``) and the gradients into a stage before the
+  last (``send_j = c_{j-1}``; every value crossing a cut gets one, see [Note: wire format] in runtime/wire.py);
+- each in-flight micro-batch's output, which the schedule keeps until its backward (``held_j``: the share
+  of ``c_{j-1}`` block ``j-1`` does not save itself; the last stage's too, the model's outputs: a GPT's
+  logits, which the loss reads but does not save).
+
+The activations count some of it already: what block ``i`` saves of its input (``alias_i``) is the receive
+buffer or the batch, and so is every input a checkpointed stage keeps. So::
+
+    P = ceil(batch_bytes * (B/r) / v) + M * (recv_i + send_j)
+    Q_off = in_flight * (held_j - alias_i),   Q_on = in_flight * (held_j - c_{i-1}),   P + Q >= 0
+
+Each rank's measured step peak against its stage's predicted memory, 2-stage MLP on 2 gloo ranks
+(``bench/pipeline_peak.py``): 0.93-0.97 under 1F1B and 1.08-1.10 under GPipe without them (and with ``D``
+capped by ``X``); 1.01-1.02 with them.
 
 and the step time of a partition is ``T = max over virtual stages of w`` (a synchronous clock: every tick lasts
 as long as the slowest stage; a stage's all-reduce follows its last backward, its optimizer step follows that).
@@ -98,9 +122,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_autopart.partition.placement import LAYOUTS, link_pattern
+from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
+from lightning_autopart.partition.placement import link_pattern
 from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
-from lightning_autopart.plan import SCHEDULES
 
 __all__ = [
     "CHUNKS",
@@ -118,80 +142,6 @@ __all__ = [
 ]
 
 INF = float("inf")
-
-#: Model chunks per rank for each schedule.
-CHUNKS = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    """One point of the outer search: replicas, pipeline depth, micro-batches, schedule and rank layout."""
-
-    replicas: int
-    stages: int
-    micro_batches: int
-    schedule: str
-    layout: str = "pipeline-major"
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks per rank (``v``)."""
-        return CHUNKS[self.schedule]
-
-    @property
-    def pipelined(self) -> bool:
-        """Whether a schedule runs the model's micro-batches as actions between stages (``V > 1``)."""
-        return self.stages * self.chunks > 1
-
-    @property
-    def virtual_stages(self) -> int:
-        """``V = S * v``."""
-        return self.stages * CHUNKS[self.schedule]
-
-    @property
-    def ticks(self) -> int:
-        """``K = v*M + S - 1``: clock ticks of one step."""
-        return CHUNKS[self.schedule] * self.micro_batches + self.stages - 1
-
-
-def check_config(cfg: Config, num_blocks: int, world_size: int, batch_size: int) -> str | None:
-    """Why ``cfg`` is not a valid configuration (schedule constraints of torch.distributed.pipelining), or None."""
-    r, s, mb = cfg.replicas, cfg.stages, cfg.micro_batches
-    if cfg.schedule not in SCHEDULES:
-        return f"unknown schedule {cfg.schedule!r}"
-    if cfg.layout not in LAYOUTS:
-        return f"unknown layout {cfg.layout!r}"
-    if r < 1 or s < 1 or mb < 1:
-        return "replicas, stages and micro-batches must be >= 1"
-    if batch_size % r or (batch_size // r) % mb:
-        return f"batch {batch_size} does not split into {r} replicas x {mb} micro-batches"
-    if s * r > world_size:
-        return f"{s} stages x {r} replicas need more than {world_size} devices"
-    if cfg.virtual_stages > num_blocks:
-        return f"{cfg.virtual_stages} virtual stages exceed {num_blocks} blocks"
-    if s == 1 and cfg.schedule != "GPipe":
-        return "a single stage runs only as GPipe (data parallel with gradient accumulation)"
-    if cfg.schedule in ("1F1B", "Interleaved1F1B") and mb < s:
-        return f"{cfg.schedule} needs micro-batches >= stages ({mb} < {s})"
-    if cfg.schedule == "Interleaved1F1B" and mb % s:
-        return f"Interleaved1F1B needs micro-batches divisible by stages ({mb} % {s} != 0)"
-    return None
-
-
-def in_flight(schedule: str, stages: int, position: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage (chunk) at ``position`` holds at peak under ``schedule``; a
-    single stage runs each micro-batch's forward and backward in turn (the runtime's [Note: one stage])."""
-    if stages == 1:
-        return 1
-    if schedule == "GPipe":
-        return micro_batches
-    if schedule == "1F1B":
-        return min(stages - position, micro_batches)
-    v = CHUNKS[schedule]
-    # ceil((S - p) * (1 + (S - 1) / (S * v))) in exact integer arithmetic.
-    held = -(-(stages - position) * (stages * v + stages - 1) // (stages * v))
-    return min(micro_batches, held)
-
 
 def fresh_stages(tables: CostTables, cfg: Config) -> list[bool]:
     """Per pipeline position: whether its gradients do not exist at its activations' peak ([Note: fresh
@@ -238,6 +188,13 @@ class ConfigCosts:
     data_floor: float = 0.0
     #: Per virtual stage: its gradients do not exist at its activations' peak (see [Note: fresh gradients]).
     fresh: list[bool] = field(default_factory=list)
+    #: Whether backward's transient bounds the fresh gradients' saving (``D``): plain Lightning's step keeps
+    #: last step's gradients through the forward; a pipelined step drops them first.
+    capped: bool = True
+    #: Bytes of the replica's batch each chunk holds (``P``, see [Note: pipeline buffers]).
+    batch: int = 0
+    #: ``held_j`` per boundary: a single stage runs no schedule, which would keep the model's outputs.
+    held: list[int] = field(default_factory=list)
 
 
 def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> ConfigCosts:
@@ -256,6 +213,10 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.p2p_out = out * v
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
+    cc.capped = not cfg.pipelined
+    cc.held = at.held if cfg.pipelined else [*at.held[:-1], 0]
+    # at least every micro-batch's input, which the first stage's in-flight inputs (Q) are views of
+    cc.batch = max(-(-int(tables.batch_per_sample * (batch_size // r)) // v), cfg.micro_batches * at.stage_input[0])
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
     fetch, q, cc.data_floor = tables.loader_us(batch_size // r)
     cc.data, cc.data_open, cc.data_share = q * fetch, (fetch if q < 1 else 0.0), 1.0 - q
@@ -297,6 +258,8 @@ class StageCost:
     grad_bytes: int
     optimizer_bytes: int
     buffer_bytes: int
+    #: Activations at the peak: the in-flight micro-batches', less what a backward has freed by then where the
+    #: gradients not yet made outweigh its transient ([Note: fresh gradients]).
     activation_bytes: int
     #: Backward's transient peak (one micro-batch's gradients and temporaries), less the stage's gradients
     #: that do not exist yet at the peak (see [Note: fresh gradients]).
@@ -308,6 +271,8 @@ class StageCost:
     #: The loader's share of ``term_us``: its time without workers (what of it the device's work does not
     #: hide), or what its workers' pace adds.
     data_us: float = 0.0
+    #: The batch and the pipeline's buffers at the activations' peak, ``P + Q`` (see [Note: pipeline buffers]).
+    io_bytes: int = 0
 
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
@@ -319,20 +284,26 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     trans = at.transient(i, j)
     grad = tables.grads[j] - tables.grads[i] + tg
     y = int(grad * tables.opt_transient)
-    infl = cc.in_flight[k]
+    infl, mb = cc.in_flight[k], cc.cfg.micro_batches
     act_off = infl * a_sum
     act_on = infl * at.stage_input[i] + a_sum
-    d_off = min(a_sum, grad, trans) if cc.fresh[k] else 0
-    d_on = min(at.stage_input[i], grad, trans) if cc.fresh[k] else 0
+    top = trans if cc.capped else grad  # D <= X only where last step's gradients outlive the forward
+    d_off = min(a_sum, grad, top) if cc.fresh[k] else 0
+    d_on = min(at.stage_input[i], grad, top) if cc.fresh[k] else 0
+    # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
+    held = cc.batch + mb * (at.recv[i] + at.send[j])
+    q_run = infl * cc.held[j]
+    q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
-    if v * (st + max(act_off + trans - d_off, y)) <= cap:
-        ck, act, d = False, act_off, d_off
-    elif cc.checkpointing and v * (st + max(act_on + trans - d_on, y)) <= cap:
-        ck, act, d = True, act_on, d_on
+    if v * (st + held + max(act_off + trans - d_off + q_off, y)) <= cap:
+        ck, act, d, q = False, act_off, d_off, q_off
+    elif cc.checkpointing and v * (st + held + max(act_on + trans - d_on + q_on, y)) <= cap:
+        ck, act, d, q = True, act_on, d_on, q_on
     else:
         fits = False
-        ck = cc.checkpointing and act_on - d_on < act_off - d_off
-        act, d = (act_on, d_on) if ck else (act_off, d_off)
+        ck = cc.checkpointing and act_on - d_on + q_on < act_off - d_off + q_off
+        act, d, q = (act_on, d_on, q_on) if ck else (act_off, d_off, q_off)
+    excess = max(0, d - trans)  # fresh gradients beyond the transient: activations freed by then
     pf, pb = cc.pf, cc.pb
     f = pf[j] - pf[i]
     fb = f + (pb[j] - pb[i])
@@ -372,11 +343,12 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         grad_bytes=tables.grads[j] - tables.grads[i] + tg,
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
-        activation_bytes=act,
-        transient_bytes=max(trans - d, y - act),
+        activation_bytes=act - excess,
+        transient_bytes=max(trans - d + excess, y - act - q + excess),
         in_flight=infl,
-        memory_bytes=st + max(act + trans - d, y),
+        memory_bytes=st + held + max(act + trans - d + q, y),
         limit_bytes=tables.usable // v,
         param_count=tables.counts[j] - tables.counts[i] + tn,
         data_us=data,
+        io_bytes=held + q,
     )

@@ -56,6 +56,8 @@ def solve(
     pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
     sh = at.shared
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
+    rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
+    batch, mb, capped = cc.batch, cc.cfg.micro_batches, cc.capped
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
@@ -79,6 +81,8 @@ def solve(
         for j in range(jlo, jhi + 1):
             pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
             hfbj, hfj = hfb[j], hf[j]
+            # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
+            pj, qj = batch + mb * sd[j], infl * hd[j]
             ilo = max(plo, start(j, room))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -102,13 +106,15 @@ def solve(
                 x = trans(i, j)
                 y = int(gr * yf)
                 if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in cost.py)
-                    d_off, d_on = min(a_sum, gr, x), min(cin[i], gr, x)
+                    bound = x if capped else gr
+                    d_off, d_on = min(a_sum, gr, bound), min(cin[i], gr, bound)
                 else:
                     d_off = d_on = 0
                 h = host + (hfbj - hfb[i])
-                if v * (st + max(x + infl * a_sum - d_off, y)) <= cap:
+                st += pj + mb * rv[i]
+                if v * (st + max(x + infl * a_sum - d_off + qj - infl * al[i], y)) <= cap:
                     comp = fb
-                elif ck and v * (st + max(x + infl * cin[i] + a_sum - d_on, y)) <= cap:
+                elif ck and v * (st + max(x + a_sum - d_on + qj, y)) <= cap:
                     comp = fb + f
                     h += hfj - hf[i]
                 else:
@@ -182,6 +188,8 @@ def solve_memory(
     ps, pa, cin, trans, tied = tables.static, at.acts, at.stage_input, at.transient, tables.tied
     sh = at.shared
     pg, yf = tables.grads, tables.opt_transient
+    rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
+    batch, mb, capped = cc.batch, cc.cfg.micro_batches, cc.capped
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
@@ -211,9 +219,12 @@ def solve_memory(
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                             gr += tc.grad_bytes
                 x = trans(i, j)
-                units = infl * a_sum - (min(a_sum, gr, x) if fresh else 0)
+                bound = x if capped else gr
+                q = infl * hd[j]
+                units = infl * a_sum - (min(a_sum, gr, bound) if fresh else 0) + q - infl * al[i]
                 if ck:
-                    units = min(units, infl * cin[i] + a_sum - (min(cin[i], gr, x) if fresh else 0))
+                    units = min(units, a_sum - (min(cin[i], gr, bound) if fresh else 0) + q)
+                st += batch + mb * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
                 w = v * (st + max(units + x, int(gr * yf))) / cap
                 if w < pv:
                     w = pv

@@ -11,7 +11,8 @@ Algorithm:
 
    where ``a_avg`` is the all-reduce of the whole model's gradients spread over V stages at the best all-reduce
    bandwidth the replica count allows. Configurations that cannot fit (all parameters, gradients, optimizer state
-   and buffers exceed ``S * usable``, or one block alone exceeds a device) are dropped here.
+   and buffers exceed ``S * usable``, or one block alone exceeds a device, less the gradients a fresh stage may
+   not hold yet) are dropped here.
 2. Pop configurations in increasing LB (a heap). Stop as soon as ``LB > incumbent``: no later one can win.
 3. Bound again with the layout-independent monotone relaxation of :class:`.dp.Relaxation` (O(V log L); empty
    bands => pruned). Until some plan fits, each configuration first gets a candidate from the greedy partition
@@ -133,6 +134,7 @@ def enumerate_configs(
     host_lb = 0.0 if cl.async_host else 2 * cl.action_us  # host time that adds to every micro-batch's math
     best_p2p = max(cl.intra_node_bw, cl.inter_node_bw) if cl.devices_per_node > 1 else cl.inter_node_bw
     block_mem = [s - p for p, s in pairwise(tables.static)]
+    block_grad = [s - p for p, s in pairwise(tables.grads)]
     total_opt = tables.opt_us[-1]
     rs = [cons.replicas] if cons.replicas is not None else [r for r in divisors(batch) if r <= world]
     entries: list[tuple[float, int, int, int, int]] = []
@@ -162,6 +164,8 @@ def enumerate_configs(
             p2p_min = (min(at.cuts[:-1]) if n > 1 else 0) / best_p2p * 1e6 + lat
             acts = [a - p for p, a in pairwise(at.acts)]
             one_block = max(s + a for s, a in zip(block_mem, acts, strict=True))
+            if r == 1 and not tables.persistent_grads:  # fresh gradients may be absent at the peak
+                one_block = max(s + max(0, a - g) for s, a, g in zip(block_mem, acts, block_grad, strict=True))
             for s in ss:
                 for si, sched in enumerate(scheds):
                     if not _valid_schedule(sched, s, mb):

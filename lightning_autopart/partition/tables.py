@@ -60,7 +60,11 @@ class SizeTables:
     ``k - 1`` saves too (see [Note: saved twice]; a stage ``[i, j)`` holds ``acts[j] - acts[i] + shared[i]``);
     ``stage_input[i]``: bytes a stage starting at block ``i`` receives;
     ``cuts[k]``: bytes crossing the cut after block ``k``; ``transient(i, j)``: the largest backward transient
-    of blocks ``[i, j)``.
+    of blocks ``[i, j)``. Per micro-batch, what the pipeline holds (see [Note: pipeline buffers] in cost.py):
+    ``recv[i]``, the receive buffer of a stage starting at block ``i`` (0 for the first: the batch holds its
+    input); ``alias[i]``, the part of it block ``i`` saves; ``send[j]``, the receive buffer of the gradient of a
+    stage ending before block ``j`` (0 for the last); ``held[j]``, the part of its output no block saves (the
+    last stage's too: the model's outputs, held until the micro-batch's backward where a schedule runs).
     """
 
     m: int
@@ -72,6 +76,10 @@ class SizeTables:
     stage_input: list[int]
     cuts: list[int]
     transient: RangeMax
+    recv: list[int]
+    alias: list[int]
+    send: list[int]
+    held: list[int]
 
 
 def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
@@ -166,6 +174,9 @@ class CostTables:
         #: Gradients live through the whole step (accumulated over steps): none is ever fresh (see
         #: [Note: fresh gradients] in :mod:`.cost`).
         self.persistent_grads = persistent_grads
+        #: Bytes per sample of the batch every rank holds on its device through the step, at least the model's
+        #: inputs ([Note: pipeline buffers] in cost.py).
+        self.batch_per_sample = max(float(profile.meta.get("batch_bytes") or 0.0), profile.input_bytes / self.b0)
         #: The training loader's time per batch, where it was timed ([Note: loader time] in loader.py).
         self.loader = LoaderCost.from_meta(profile.meta.get("loader"))
         self._sizes: dict[int, SizeTables] = {}
@@ -187,6 +198,9 @@ class CostTables:
             first = -(-self.profile.input_bytes * m // self.b0)
             blocks = self.profile.blocks
             shared = [0] + [round(blocks[k].saved_by_previous * cuts[k - 1]) for k in range(1, len(costs))]
+            inputs = [first, *cuts[:-1]]
+            inner = [0, *cuts[:-1], 0]  # what crosses the cut before block j, 0 at the model's two ends
+            kept = [0, *(round((1.0 - b.saved_output_share) * c) for b, c in zip(blocks, cuts, strict=True))]
             got = SizeTables(
                 m=m,
                 pf=pf,
@@ -194,9 +208,13 @@ class CostTables:
                 big=max(c.fwd_us + c.bwd_us for c in costs),
                 acts=_prefix([max(0, c.activation_bytes - d) for c, d in zip(costs, shared, strict=True)]),
                 shared=shared,
-                stage_input=[first, *cuts[:-1]],
+                stage_input=inputs,
                 cuts=cuts,
                 transient=RangeMax([c.transient_bytes for c in costs]),
+                recv=[0, *cuts[:-1]],
+                alias=[round(b.saved_input_share * c) for b, c in zip(blocks, inputs, strict=True)],
+                send=inner,
+                held=kept,
             )
             self._sizes[m] = got
         return got

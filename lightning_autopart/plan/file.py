@@ -80,10 +80,14 @@ class StagePlan:
     activation_bytes: int
     #: Micro-batches whose activations the stage holds at peak under the schedule.
     in_flight: int
-    #: Predicted peak memory on one device: params + grads + optimizer + activations + transient + buffers.
+    #: Predicted peak memory on one device: params + grads + optimizer + activations + transient + buffers
+    #: + batch and pipeline buffers.
     memory_bytes: int
     #: Backward's transient peak on one device (one micro-batch's gradients and temporaries).
     transient_bytes: int = 0
+    #: The replica's batch on the device and the pipeline's receive buffers and held outputs, at the
+    #: activations' peak (see [Note: pipeline buffers] in partition/cost.py).
+    io_bytes: int = 0
     #: The optimizer step over the stage's parameters, once per step, microseconds.
     optimizer_us: float = 0.0
 

@@ -120,9 +120,9 @@ def _memory_table(plan: Plan) -> Table:
         pad_edge=False,
     )
     table.add_column("Stage" if plan.chunks_per_rank == 1 else "Stages", justify="right")
-    for name in ("Params", "Grads", "Optimizer", "Activations", "Transient", "Total"):
+    for name in ("Params", "Grads", "Optimizer", "Activations", "Transient", "Batch+I/O", "Total"):
         table.add_column(name, justify="right")
-    table.add_column("In-flight mb", justify="right")
+    table.add_column("In flight", justify="right")
     table.add_column(f"Of {format_bytes(c.device_memory_bytes)}", no_wrap=True)
     for held in stages_by_rank(plan):
         total = sum(s.memory_bytes for s in held)
@@ -143,7 +143,7 @@ def stages_by_rank(plan: Plan) -> list[tuple[StagePlan, ...]]:
 
 
 #: StagePlan fields that add up to a device's memory, in table order.
-_MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes")
+_MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes", "io_bytes")
 
 
 def _summary(plan: Plan) -> Table:
@@ -262,7 +262,7 @@ def _memory_style(used: int, usable: int) -> str:
     return "yellow" if used > 0.9 * usable else "green"
 
 
-def _bar(used: int, limit: int, width: int = 20) -> Text:
+def _bar(used: int, limit: int, width: int = 10) -> Text:
     fraction = used / limit if limit else 0.0
     filled = min(width, round(fraction * width))
     style = "red" if fraction > 1 else "cyan"

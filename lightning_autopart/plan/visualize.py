@@ -259,11 +259,12 @@ def _draw_memory(ax: Any, plan: Plan) -> None:
     x = list(range(len(groups)))
     fields = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes"}
     fields["activations"] = "activation_bytes"
+    fields["batch & I/O"] = "io_bytes"
     parts = {name: [sum(getattr(s, f) for s in held) for held in groups] for name, f in fields.items()}
     totals = [sum(s.memory_bytes for s in held) for held in groups]
     parts["other"] = [max(0, t - sum(p[i] for p in parts.values())) for i, t in enumerate(totals)]
     bottom = [0.0] * len(x)
-    for (name, values), colour in zip(parts.items(), ("C0", "C1", "C2", "C3", "C7"), strict=True):
+    for (name, values), colour in zip(parts.items(), ("C0", "C1", "C2", "C3", "C4", "C7"), strict=True):
         gb = [v / 1e9 for v in values]
         if any(gb) or name != "other":
             ax.bar(x, gb, bottom=bottom, color=colour, label=name, width=0.7)

@@ -24,7 +24,7 @@ from lightning_autopart.profile.opcount import OpCounter, Roofline
 from lightning_autopart.profile.saved import SavedTensorMeter
 from lightning_autopart.profile.transient import AllocationMeter
 
-__all__ = ["LossCost", "LossFn", "profile_loss"]
+__all__ = ["LossCost", "LossFn", "batch_bytes", "profile_loss"]
 
 #: ``loss(output, samples)``: the training loss of ``samples`` samples given the model's output for them.
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -88,8 +88,11 @@ def profile_loss(
     counter = OpCounter(roofline)
     with counter, allocations, meter.hooks():
         run(counter)
-    saved = meter.nbytes
-    transient = max(0, allocations.peak - saved)
+    # The batch's slice the loss read (its targets) is the batch every rank holds anyway ([Note: pipeline
+    # buffers] in partition/cost.py): what the loss saves of it is not the loss's own memory.
+    saved = meter.nbytes - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
+    _drop_slice(loss)
+    transient = max(0, allocations.peak - meter.nbytes)
     if roofline is not None:  # an estimate: the counter's roofline prices every op
         return LossCost(counter.counts["fwd"].time_us, counter.counts["bwd"].time_us, saved, transient)
     fwd, bwd = [], []
@@ -98,10 +101,33 @@ def profile_loss(
         if i >= warmup:
             fwd.append(f * 1e6)
             bwd.append(b * 1e6)
+    _drop_slice(loss)
     return LossCost(statistics.median(fwd), statistics.median(bwd), saved, transient)
+
+
+def _drop_slice(loss: object) -> None:
+    """Forget the batch slice a step loss keeps from its last call: a device copy no profile may leave behind."""
+    if hasattr(loss, "sliced"):
+        loss.sliced = ()
 
 
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def batch_bytes(loss: object, dtype: torch.dtype | None = None) -> float | None:
+    """Bytes per sample of the batch ``loss`` computes from (its ``batch`` of ``batch_size`` samples, as the
+    strategy's and the CLI's step losses carry it), floating tensors in ``dtype`` where a "-true" precision
+    converts them; every rank of a pipeline holds its replica's whole batch on the device through the step
+    ([Note: pipeline buffers] in partition/cost.py). None where the loss carries no batch."""
+    batch, size = getattr(loss, "batch", None), getattr(loss, "batch_size", None)
+    if batch is None or not isinstance(size, int) or size < 1:
+        return None
+    total = 0
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            itemsize = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
+            total += t.numel() * itemsize
+    return total / size

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import traceback
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from lightning_autopart.profile.optimizers import optimizer_state_factor
 from lightning_autopart.profile.precision import Precision, parse_precision, scaled_nbytes
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, with_curve
 from lightning_autopart.profile.runner import BlockCost
+from lightning_autopart.profile.saves import with_shared_saves
 from lightning_autopart.profile.step import accumulate_us, optimizer_step_us
 
 __all__ = ["profile", "resolve_spec"]
@@ -233,7 +233,7 @@ def profile(
         meta["opaque_ops"] = opaque
         if mode == "estimate":
             warn_opaque(opaque)
-    records = _shared_saves(records, indices, captured, measured_names, cut_dtype)
+    records = with_shared_saves(records, indices, captured, measured_names, cut_dtype)
     if twin is not None:
         meta["curve_sizes"] = sorted(set(sizes))
 
@@ -349,28 +349,6 @@ def _record(
         host_fwd_us=float(cost.host_us[0]),
         host_bwd_us=float(cost.host_us[1]),
     )
-
-
-def _shared_saves(
-    records: list[BlockProfile],
-    indices: list[int],
-    captured: CapturedModel,
-    names: dict[int, tuple[frozenset[str], frozenset[str]]],
-    cut_dtype: torch.dtype | None,
-) -> list[BlockProfile]:
-    """``records`` with ``saved_by_previous`` set where block k saves an input block k-1 saves as its output
-    (see [Note: saved twice] in records.py); 0 where block k-1 was not profiled here."""
-    out = []
-    for record, k in zip(records, indices, strict=True):
-        if k > 0 and k - 1 in names and k in names:
-            both = names[k][0] & names[k - 1][1]
-            cut = captured.cuts[k - 1]
-            total = sum(scaled_nbytes(t, cut_dtype) for t in cut)
-            shared = sum(scaled_nbytes(t, cut_dtype) for t in cut if t.name in both)
-            if total > 0 and shared > 0:
-                record = dataclasses.replace(record, saved_by_previous=min(1.0, shared / total))
-        out.append(record)
-    return out
 
 
 def _with_curve(

@@ -87,6 +87,12 @@ class BlockProfile:
     #: Share of the bytes crossing the cut before this block that both this block and the previous one save
     #: for backward: one tensor when the two share a stage (see [Note: saved twice]).
     saved_by_previous: float = 0.0
+    #: Shares of the bytes crossing the cut before this block (the model's inputs for the first) and of those
+    #: crossing the cut after it that this block saves for backward as they are: a stage starting here saves
+    #: part of its receive buffers, a stage ending here keeps the rest of its output until its backward (see
+    #: [Note: pipeline buffers] in partition/cost.py).
+    saved_input_share: float = 0.0
+    saved_output_share: float = 0.0
     #: Host time (Python, dispatch, kernel launches) of the forward and of the backward, per micro-batch, on a
     #: device the host feeds ahead of time (CUDA; see [Note: host and device] in cuda_clock.py). 0: unknown, or
     #: the host does the math itself (CPU), where ``fwd_us``/``bwd_us`` hold it.

@@ -125,18 +125,26 @@ def test_allreduce_across_nodes_uses_inter_bandwidth() -> None:
 
 
 def test_checkpointing_turns_on_only_where_needed() -> None:
-    # Stage 0 static: (100+100+200+10) + (40+40+80) = 570 bytes; activations per micro-batch 800 bytes.
-    # Plain: 570 + 4*800 = 3770 > 2000. Checkpointed: 570 + 4*150 (input) + 800 = 1970 <= 2000.
-    # Stage 1: 240 + 4*400 = 1840 <= 2000, no checkpointing.
-    tables = CostTables(PROFILE, _cluster(memory=2000))
+    # GPipe, S = 2, M = 4, m = 1; every rank holds the batch, 4 x 150 bytes ([Note: pipeline buffers]).
+    # Stage 0 static: (100+100+200+10) + (40+40+80) = 570 bytes; activations per micro-batch 800 bytes; it keeps
+    # 4 gradient receive buffers (4*100) and 4 outputs (4*100); its gradients are fresh (D = min(800, 140)).
+    # Plain: 570 + 600 + 400 + 4*800 - 140 + 400 = 5030 > 3000. Checkpointed: the kept inputs are the batch's
+    # views, 570 + 1000 + (4*150 + 800 - 140 - 4*150 + 400) = 2630 <= 3000.
+    # Stage 1: 240 + 600 + 4*100 (receive buffers) + 4*400 - 60 + 4*25 (the model's outputs, kept until each
+    # micro-batch's backward) = 2880 <= 3000, no checkpointing.
+    tables = CostTables(PROFILE, _cluster(memory=3000))
     ev = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3))
     s0, s1 = ev.stages
-    assert s0.checkpoint and s0.fits and s0.memory_bytes == 1970 and s0.activation_bytes == 1400
+    assert s0.checkpoint and s0.fits and s0.memory_bytes == 2630 and s0.io_bytes == 1000 - 200
+    assert s0.activation_bytes == 1400 - 140  # the first backward frees more than its transient
     assert s0.bwd_us == pytest.approx(180 + 90)  # recompute of the forward
     assert s0.time_us == pytest.approx(90 + 270 + 105)
-    assert not s1.checkpoint and s1.memory_bytes == 1840
+    assert not s1.checkpoint and s1.memory_bytes == 2880
     assert (s0.param_bytes, s0.grad_bytes, s0.optimizer_bytes) == (140, 140, 280)
-    assert ev.fits and ev.peak_memory_bytes == 1970
+    assert ev.fits and ev.peak_memory_bytes == 2880
+    for sc in ev.stages:  # the parts add up
+        parts = sc.param_bytes + sc.grad_bytes + sc.optimizer_bytes + sc.buffer_bytes
+        assert parts + sc.io_bytes + sc.activation_bytes + sc.transient_bytes == sc.memory_bytes
 
 
 def test_not_fitting_reports_memory_and_evaluate_returns_none() -> None:
@@ -145,16 +153,17 @@ def test_not_fitting_reports_memory_and_evaluate_returns_none() -> None:
     assert not ev.fits and not ev.stages[0].fits and ev.max_excess > 1
     assert evaluate(PROFILE, _cluster(memory=1900), 4, [0, 2, 3], 1, 4, "GPipe", tables=tables) is None
     ev2 = evaluate_config(tables, Config(1, 2, 4, "GPipe"), 4, (0, 2, 3), checkpointing=False)
-    assert not ev2.stages[0].checkpoint and ev2.stages[0].memory_bytes == 3770
+    assert not ev2.stages[0].checkpoint and ev2.stages[0].memory_bytes == 5030
 
 
 def test_one_f_one_b_holds_fewer_micro_batches() -> None:
-    # 1F1B, S=2: stage 0 holds 2 micro-batches, stage 1 holds 1: 570 + 2*800 = 2170 > 2000 -> checkpoint.
-    tables = CostTables(PROFILE, _cluster(memory=2000))
+    # 1F1B, S=2: stage 0 holds 2 micro-batches and their 2 outputs, stage 1 holds 1; neither has fresh gradients.
+    # Stage 0: 570 + 600 + 4*100 + 2*800 + 2*100 = 3370 > 3000 -> checkpoint: 2570.
+    tables = CostTables(PROFILE, _cluster(memory=3000))
     ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3))
     assert [s.in_flight for s in ev.stages] == [2, 1]
-    assert ev.stages[0].memory_bytes == 570 + 2 * 150 + 800
-    assert ev.stages[1].memory_bytes == 240 + 400
+    assert ev.stages[0].memory_bytes == 570 + 1000 + (2 * 150 + 800 + 2 * (100 - 150))
+    assert ev.stages[1].memory_bytes == 240 + 1000 + 400 + 25
 
 
 def test_interleaved_chunks_and_step_time() -> None:
@@ -241,20 +250,22 @@ def test_fresh_gradients_leave_the_peak() -> None:
     kept = evaluate_config(
         CostTables(prof, _cluster(), persistent_grads=True), cfg, 4, (0, 2, 3), checkpointing=False
     )
-    # Stage 0 at m = 1: static 570, u = 800, grads 140, X = max(1000, 600) = 1000 -> 570 + 3200 + 1000 - 140.
-    assert kept.stages[0].memory_bytes == 570 + 4 * 800 + 1000
-    assert fresh.stages[0].memory_bytes == 570 + 4 * 800 + 1000 - 140
+    # Stage 0 at m = 1: static 570, batch and buffers 1000, outputs held 400, u = 800, grads 140,
+    # X = max(1000, 600) = 1000 -> 570 + 1000 + 3200 + 1000 - 140 + 400.
+    assert kept.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 1000 + 400
+    assert fresh.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 1000 - 140 + 400
     assert fresh.stages[0].transient_bytes == 1000 - 140
     # Replicas keep their all-reduce buckets, so their gradients always exist.
     tables = CostTables(prof, _cluster())
     two = evaluate_config(tables, Config(2, 1, 2, "GPipe"), 4, (0, 3), checkpointing=False)
-    assert two.stages[0].memory_bytes == 810 + 1200 + 1000  # one micro-batch of 1200 bytes at a time
+    assert two.stages[0].memory_bytes == 810 + 300 + 1200 + 1000  # one micro-batch of 1200 bytes at a time
     # 1F1B with more micro-batches than in flight: each stage runs a forward after its first backward.
     ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3), checkpointing=False)
-    assert [s.memory_bytes for s in ev.stages] == [570 + 2 * 800 + 1000, 240 + 400 + 800]
-    # One stage, one micro-batch: plain training; the gradients are made during its only backward.
+    assert [s.memory_bytes for s in ev.stages] == [570 + 1000 + 2 * 800 + 1000 + 200, 240 + 1000 + 400 + 800 + 25]
+    # One stage, one micro-batch: plain training; the gradients are made during its only backward, and last
+    # step's outlive the forward (plain Lightning), so D <= X.
     one = evaluate_config(tables, Config(1, 1, 1, "GPipe"), 2, (0, 3), checkpointing=False)
-    assert one.stages[0].memory_bytes == 810 + 2 * 1200 + 2000 - 200
+    assert one.stages[0].memory_bytes == 810 + 300 + 2 * 1200 + 2000 - 200
 
 
 def test_later_micro_batches_add_into_the_gradients() -> None:
@@ -275,3 +286,31 @@ def test_later_micro_batches_add_into_the_gradients() -> None:
         assert evaluate_config(tables, cfg, 4, (0, 3)).step_us == pytest.approx(  # type: ignore[union-attr]
             evaluate_config(plain, cfg, 4, (0, 3)).step_us + mb * share * 48.0  # type: ignore[union-attr]
         )
+
+
+def test_a_stage_holds_the_batch_and_its_pipeline_buffers() -> None:
+    # [Note: pipeline buffers]: 1F1B, S = 2, M = 4, m = 1, split after block a; 400 bytes per sample of batch
+    # (labels too); block b saves half its input (the receive buffer), block a saves a quarter of its output.
+    a, b, c = PROFILE.blocks
+    prof = dataclasses.replace(
+        PROFILE,
+        blocks=(
+            dataclasses.replace(a, saved_output_share=0.25),
+            dataclasses.replace(b, saved_input_share=0.5),
+            c,
+        ),
+        meta={"batch_bytes": 400.0},
+    )
+    ev = evaluate_config(CostTables(prof, _cluster()), Config(1, 2, 4, "1F1B"), 4, (0, 1, 3), checkpointing=False)
+    s0, s1 = ev.stages
+    # Stage 0: the batch (4 x 400), 4 gradient receive buffers (4 x 200); 2 micro-batches in flight, each with
+    # its output kept but for what block a saves (2 x 150).
+    assert s0.io_bytes == 1600 + 4 * 200 + 2 * 150
+    assert s0.memory_bytes == 410 + s0.io_bytes + 2 * 500
+    # Stage 1: the batch, 4 activation receive buffers (4 x 200), of which its one micro-batch in flight saves
+    # 100 bytes (counted in its activations already), and the model's output (25) kept until its backward.
+    assert s1.io_bytes == 1600 + 4 * 200 - 100 + 25
+    assert s1.memory_bytes == 400 + s1.io_bytes + 700
+    # One stage runs no schedule: the batch alone, its input views saved by block a (none) not counted twice.
+    one = evaluate_config(CostTables(prof, _cluster()), Config(1, 1, 4, "GPipe"), 4, (0, 3), checkpointing=False)
+    assert one.stages[0].io_bytes == 1600

@@ -141,6 +141,9 @@ def instances(
                 optimizer_us=draw(st.floats(0.0, 500.0)),
                 cast_bytes=draw(st.integers(0, 300)),
                 saved_by_previous=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
+                # what a stage's receive buffers and held outputs share with the saved tensors
+                saved_input_share=draw(st.sampled_from([0.0, 0.3, 1.0])),
+                saved_output_share=draw(st.sampled_from([0.0, 0.6, 1.0])),
                 curve=draw(_curves(b0)),
                 # host-bound blocks (host time beyond the device's: priced as max(device, host) per stage)
                 host_fwd_us=draw(st.sampled_from([0.0, 0.0, fwd * 3.0]) | st.floats(0.0, 3000.0)),
@@ -162,6 +165,8 @@ def instances(
         input_bytes=draw(st.integers(0, 5000)),
         tied=tied,
         optimizer="adam",
+        # the whole batch (labels too) that every rank holds, per sample; none: the inputs alone
+        meta={"batch_bytes": draw(st.sampled_from([0.0, 700.0]))},
     )
     batch = draw(st.sampled_from([4, 8, 12, 16] if pipeline else [1, 2, 3, 4, 6, 8, 12, 16]))
     nodes = draw(st.integers(1, 2))

@@ -1,0 +1,49 @@
+"""Tensors a block saves for backward that something else holds too: the previous block (one tensor where the two
+share a stage, see [Note: saved twice] in records.py), a stage's receive buffers, or the output a stage keeps
+until its backward (see [Note: pipeline buffers] in partition/cost.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from lightning_autopart.capture.graph import CapturedModel, TensorInfo
+from lightning_autopart.profile.precision import scaled_nbytes
+from lightning_autopart.profile.records import BlockProfile
+
+__all__ = ["with_shared_saves"]
+
+
+def with_shared_saves(
+    records: list[BlockProfile],
+    indices: list[int],
+    captured: CapturedModel,
+    names: dict[int, tuple[frozenset[str], frozenset[str]]],
+    cut_dtype: torch.dtype | None,
+) -> list[BlockProfile]:
+    """``records`` with ``saved_by_previous`` set where block k saves an input block k-1 saves as its output
+    (see [Note: saved twice] in records.py; 0 where block k-1 was not profiled here), and with the shares of the
+    cuts around each block that it saves as they are (its ``saved_input_share`` and ``saved_output_share``)."""
+
+    def share(tensors: Sequence[TensorInfo], saved: frozenset[str]) -> float:
+        total = sum(scaled_nbytes(t, cut_dtype) for t in tensors)
+        part = sum(scaled_nbytes(t, cut_dtype) for t in tensors if t.name in saved)
+        return min(1.0, part / total) if total > 0 else 0.0
+
+    out = []
+    for record, k in zip(records, indices, strict=True):
+        if k in names:
+            before = captured.cuts[k - 1] if k > 0 else captured.inputs
+            record = dataclasses.replace(
+                record,
+                saved_input_share=share(before, names[k][0]),
+                saved_output_share=share(captured.cuts[k], names[k][1]),
+            )
+        if k > 0 and k - 1 in names and k in names:
+            both = share(captured.cuts[k - 1], names[k][0] & names[k - 1][1])
+            if both > 0:
+                record = dataclasses.replace(record, saved_by_previous=both)
+        out.append(record)
+    return out

@@ -1,0 +1,65 @@
+"""What a profile records for the memory a pipeline moves ([Note: pipeline buffers] in partition/cost.py): which
+share of a cut a block saves as it is, the batch every rank holds, and a loss that saves its targets."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_autopart.planner import profile_model
+from lightning_autopart.profile.loss import batch_bytes, profile_loss
+
+
+class Chain(nn.Module):
+    """Linear (saves its input), ReLU (saves its output), Linear, then a Tanh (saves its output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.ReLU()
+        self.c = nn.Linear(32, 16)
+        self.d = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.c(self.b(self.a(x))))
+
+
+def test_blocks_record_the_shares_of_their_cuts_they_save() -> None:
+    prof = profile_model(Chain(), torch.randn(8, 16), profile="estimate", up_to=8)
+    shares = {b.name: (b.saved_input_share, b.saved_output_share) for b in prof.blocks}
+    assert shares["a"] == (1.0, 0.0)  # the model's input, saved for the weight's gradient
+    assert shares["b"] == (0.0, 1.0)  # ReLU's backward reads its output
+    assert shares["c"][0] == 1.0  # the ReLU's output, which block b saves too
+    assert shares["d"] == (0.0, 1.0)
+
+
+class StepLike:
+    """What the strategy's step loss carries: the batch it was made from and its size."""
+
+    def __init__(self, batch: object, batch_size: int) -> None:
+        self.batch, self.batch_size = batch, batch_size
+        self.sliced: object = ()
+
+    def __call__(self, output: torch.Tensor, samples: int) -> torch.Tensor:
+        self.sliced = part = self.batch["y"][:samples]  # type: ignore[index]
+        return F.mse_loss(output, part)
+
+
+def test_the_batch_every_rank_holds_counts_labels_and_follows_a_true_precision() -> None:
+    batch = {"x": torch.randn(8, 16), "ids": torch.zeros(8, 4, dtype=torch.long), "y": torch.randn(8, 16)}
+    loss = StepLike(batch, 8)
+    assert batch_bytes(loss) == 16 * 4 + 4 * 8 + 16 * 4
+    assert batch_bytes(loss, torch.bfloat16) == 16 * 2 + 4 * 8 + 16 * 2  # "-true" converts floating tensors
+    assert batch_bytes(lambda out, n: out.sum()) is None  # a loss that carries no batch
+    prof = profile_model(Chain(), torch.randn(8, 16), profile="estimate", up_to=8, loss=loss)
+    assert prof.meta["batch_bytes"] == 16 * 4 + 4 * 8 + 16 * 4
+
+
+def test_what_a_loss_saves_of_the_batch_is_not_the_loss_s_own() -> None:
+    # MSE saves its input and its target; the target is a slice of the batch, held anyway.
+    batch = {"y": torch.randn(8, 16)}
+    loss = StepLike(batch, 8)
+    cost = profile_loss(loss, torch.randn(8, 16), 8, warmup=0, repeats=1)
+    assert cost.saved_bytes == 0  # the output is the stage's, the target the batch's
+    assert loss.sliced == ()  # no copy of the batch outlives the profile
