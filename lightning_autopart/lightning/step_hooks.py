@@ -26,6 +26,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch.plugins.layer_sync import LayerSync
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from lightning_autopart.errors import ConfigError
@@ -36,10 +37,28 @@ from lightning_autopart.runtime.gradients import agree_on_overflow, clip_by_glob
 __all__ = ["StepHooks"]
 
 
-class StepHooks:
+if TYPE_CHECKING:  # the Strategy's loop hooks, after this class in the MRO
+
+    class _LoopHooks:
+        def on_validation_start(self) -> None: ...
+
+        def on_train_end(self) -> None: ...
+
+        def on_validation_end(self) -> None: ...
+
+        def on_test_end(self) -> None: ...
+
+        def on_predict_end(self) -> None: ...
+
+else:
+    _LoopHooks = object
+
+
+class StepHooks(_LoopHooks):
     """The Strategy's step methods, over the :class:`Partition` made in ``setup``. The pipeline runs forward and
     backward inside ``training_step``; ``backward`` only hands the gradients to the parameters, after Lightning's
-    ``zero_grad``."""
+    ``zero_grad``. At the loops' boundaries it reads the non-finite loss check and drops an evaluation's
+    schedule."""
 
     _part: Partition | None
     _params: list[Any]
@@ -58,6 +77,36 @@ class StepHooks:
         def pre_backward(self, closure_loss: Tensor) -> None: ...
 
         def post_backward(self, closure_loss: Tensor) -> None: ...
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._check_losses()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._check_losses()
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._release_eval()
+
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._release_eval()
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._release_eval()
+
+    def _release_eval(self) -> None:
+        """An evaluation loop is over: its schedule's receive buffers must not stay through training."""
+        if self._part is not None:
+            self._part.steps.runner.release("eval")
+
+    def _check_losses(self) -> None:
+        """Read the non-finite loss check's window outside any step (see [Note: non-finite loss])."""
+        if self._steps is not None and self._lm.trainer.state.fn == TrainerFn.FITTING:
+            self._steps.losses.check(scaled=self._steps.scale is not None)
 
     @property
     def _layer_sync(self) -> LayerSync | None:

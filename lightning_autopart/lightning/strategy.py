@@ -364,21 +364,6 @@ class AutoPartitionStrategy(MetaInit, StepHooks, CheckpointHooks, ParallelStrate
         super().on_train_start()
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._check_losses()
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self._check_losses()
-
-    def _check_losses(self) -> None:
-        """Read the non-finite loss check's window outside any step (see [Note: non-finite loss])."""
-        if self._steps is not None and self._lm.trainer.state.fn == TrainerFn.FITTING:
-            self._steps.losses.check(scaled=self._steps.scale is not None)
-
-    @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:

@@ -292,6 +292,13 @@ class PipelineRunner:
                 )
         return args
 
+    def release(self, kind: str) -> None:
+        """Drop the ``kind`` schedule and its stages: torch.distributed.pipelining keeps a receive buffer per
+        micro-batch for as long as a stage lives, so an evaluation's would stay through training (``M`` x the cut's
+        bytes; see [Note: pipeline buffers] in partition/cost.py). Every rank of the pipeline releases together;
+        the next use builds it again."""
+        self._schedules.pop(kind, None)
+
     def _schedule(self, kind: str, args: tuple[torch.Tensor, ...]) -> Any:
         """The plan's ``kind`` ("train" or "eval") schedule over this rank's stages, built at first use (see
         [Note: lazy schedules])."""

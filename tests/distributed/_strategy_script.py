@@ -58,6 +58,7 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         "syncs": syncs,
         "held_elsewhere": held,
         "host_syncs": probe.syncs,
+        "schedules": sorted(strategy._runner._schedules) if strategy._runner is not None else [],
     }
 
 
