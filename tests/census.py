@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import traceback
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lightning as L
@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakTracker", "StepPeak", "StepProbe", "SyncCounter", "live_tensor_bytes"]
+__all__ = ["PeakTracker", "StepPeak", "StepProbe", "SyncCounter", "live_tensor_bytes", "stage_buffers"]
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _THIS_FILE = __file__
@@ -393,11 +393,15 @@ class StepPeak(L.Callback):
     or object left alive: a peak to compare with a prediction for this model alone (``batch_idx`` counts the
     first epoch's batches)."""
 
-    def __init__(self, start: int, stop: int) -> None:
+    def __init__(
+        self, start: int, stop: int, extra: Callable[[L.Trainer], Iterable[torch.Tensor]] | None = None
+    ) -> None:
         super().__init__()
         self.start, self.stop = start, stop
         #: The absolute peak of each probed batch.
         self.peaks: list[int] = []
+        #: Tensors made before the step that it holds too (a pipeline's receive buffers: :func:`stage_buffers`).
+        self.extra = extra
         self._tracker: PeakTracker | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, lm: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -406,6 +410,7 @@ class StepPeak(L.Callback):
         state = [*lm.parameters(), *lm.buffers(), *(p.grad for p in lm.parameters() if p.grad is not None)]
         state += [t for o in trainer.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
         state += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        state += list(self.extra(trainer)) if self.extra is not None else []
         self._tracker = PeakTracker()
         self._tracker.track({t.untyped_storage()._cdata: t.untyped_storage() for t in state}.values())
         self._tracker.__enter__()
@@ -415,3 +420,17 @@ class StepPeak(L.Callback):
             self._tracker.__exit__(None, None, None)
             self.peaks.append(self._tracker.peak)
             self._tracker = None
+
+
+def stage_buffers(schedules: Iterable[Any]) -> list[torch.Tensor]:
+    """The receive buffers torch.distributed.pipelining made for the stages of ``schedules``: one per micro-batch
+    and received value (activations into a stage after the first, gradients into a stage before the last),
+    made at a schedule's first step and kept."""
+    found: list[torch.Tensor] = []
+    for schedule in schedules:
+        stages = getattr(schedule, "_stages", None) or [schedule._stage]
+        for stage in stages:
+            for table in (stage.args_recv_info, getattr(stage, "grad_recv_info", {})):
+                for infos in table.values():
+                    found += [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    return found

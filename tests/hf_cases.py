@@ -323,13 +323,14 @@ class _Losses(Callback):
 
 
 def fit(
-    case: dict[str, Any], strategy: Any, devices: int, replicas: int
+    case: dict[str, Any], strategy: Any, devices: int, replicas: int, probe: L.Callback | None = None
 ) -> tuple[HFModule, list[float], dict[str, float]]:
     """Train a case for ``STEPS`` optimizer steps on batches of ``LOCAL_BATCH`` samples per replica.
 
     With ``strategy="auto"`` (the one-process reference) each batch holds the ``LOCAL_BATCH x replicas`` samples
     the replicas see together (see ``global_order``). ``validate`` adds a validation loader, run once after the
     last step. Returns the model, the logged ``train_loss`` of every batch and the final callback metrics.
+    ``probe`` is one more callback (tests/census.py's StepPeak).
     """
     model = make_lit(case)
     n = LOCAL_BATCH * replicas * STEPS
@@ -352,7 +353,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[losses],
+        callbacks=[losses, *([probe] if probe is not None else [])],
     )
     trainer.fit(model, DataLoader(data, batch_size=batch), val)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

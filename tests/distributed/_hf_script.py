@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.runtime.topology import place
+from tests.census import StepPeak, stage_buffers
 from tests.distributed.job import end_job
-from tests.hf_cases import fit
+from tests.hf_cases import STEPS, fit
 
 __all__: list[str] = []
 
@@ -46,7 +47,9 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         schedule=case.get("schedule", "GPipe"),
         profile="estimate",
     )
-    model, losses, metrics = fit(case, strategy, devices, devices // case["stages"])
+    # Each rank's peak tensor bytes in the steady steps, receive buffers included ([Note: pipeline buffers])
+    probe = StepPeak(1, STEPS, extra=lambda trainer: stage_buffers(strategy._runner._schedules.values()))
+    model, losses, metrics = fit(case, strategy, devices, devices // case["stages"], probe)
     local = {id(p) for p in strategy._params}
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
     held = {n: p.device.type for n, p in model.named_parameters() if id(p) not in local}  # meta: freed
@@ -61,6 +64,8 @@ def run(case: dict[str, Any], devices: int) -> dict[str, Any]:
         "stages": placement.stages,
         "replica": placement.replica,
         "held_elsewhere": held,
+        "peak": max(probe.peaks),
+        "predicted_peak": sum(strategy.plan.stages[s].memory_bytes for s in placement.stages),
     }
 
 
