@@ -10,7 +10,8 @@ case runs ``AutoPartitionStrategy(num_stages=2, micro_batches=M, schedule=S, pro
 Lightning's launcher (2 CPU processes). Measured: each rank's peak tensor bytes over training batches 2-4
 (``tests.census.StepPeak``: the stage's parameters, gradients and optimizer state, the batch and
 torch.distributed.pipelining's receive buffers at the step's start, plus every storage the step creates).
-Predicted: the plan's ``memory_bytes`` of the rank's stage (``--parts``: its parts too). Prints one row per rank
+Predicted: the plan's ``memory_bytes`` of the rank's stage, summed over its chunks under Interleaved1F1B
+(``--parts``: its parts too). Prints one row per rank
 and case ([Note: pipeline buffers] in partition/cost.py).
 """
 
@@ -111,9 +112,13 @@ def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path) -> 
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=batch))
     assert strategy.plan is not None
-    stage = next(s for s in strategy.plan.stages if trainer.global_rank in s.ranks)
-    row = {"rank": trainer.global_rank, "measured": max(probe.peaks), "predicted": stage.memory_bytes}
-    row["parts"] = {k: v for k, v in dataclasses.asdict(stage).items() if k in _PARTS}
+    held = [s for s in strategy.plan.stages if trainer.global_rank in s.ranks]  # interleaved: several chunks
+    row: dict[str, Any] = {
+        "rank": trainer.global_rank,
+        "measured": max(probe.peaks),
+        "predicted": sum(s.memory_bytes for s in held),
+        "parts": {k: sum(dataclasses.asdict(s)[k] for s in held) for k in _PARTS},
+    }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(row))
 
 
