@@ -15,18 +15,19 @@ _SLACK = 1e-9
 
 
 class Relaxation:
-    """Monotone lower bounds of one configuration, valid for every layout and stage position.
+    """Monotone lower bounds of one configuration, valid for every layout.
 
-    With ``n0`` the fewest in-flight micro-batches of any position and ``c0`` the smallest stage input, a stage
-    of blocks ``[i, j)`` with term ``w <= tau`` lies in one of two families:
+    With ``n`` the in-flight micro-batches of the stage's place in the pipeline (its position and chunk; no
+    layout changes it) and ``c0`` the smallest stage input, a stage of blocks ``[i, j)`` with term ``w <= tau``
+    lies in one of two families:
 
-    - plain: ``static + n0*sum a_k <= limit`` and ``K*(F + Bw + h0) + v*(a_min + O) + H <= tau``;
-    - checkpointed: ``static + sum a_k + n0*c0 <= limit`` and ``K*(2F + Bw + h0) + v*(a_min + O) + H <= tau``;
+    - plain: ``static + n*sum a_k <= limit`` and ``K*(F + Bw + h0) + v*(a_min + O) + H <= tau``;
+    - checkpointed: ``static + sum a_k + n*c0 <= limit`` and ``K*(2F + Bw + h0) + v*(a_min + O) + H <= tau``;
 
     where ``h0`` is the micro-batch's host time where it adds to the math (0 where it may hide behind it),
     ``H`` the step's host time, ``a_min`` the all-reduce at the best bandwidth the replica count allows
     (backward's transient, a range maximum, is left out: the bounds stay lower bounds). Every quantity is a prefix difference
-    (``pm_off``/``pm_on`` for memory, ``pr_off``/``pr_on`` for time, ``R = scale*diff + const``), so each family
+    (``pm_off`` per ``n``/``pm_on`` for memory, ``pr_off``/``pr_on`` for time, ``R = scale*diff + const``), so each family
     is monotone under interval containment, and so is their union.
     """
 
@@ -36,16 +37,31 @@ class Relaxation:
         m = batch_size // (r * cfg.micro_batches)
         at = tables.at(m)
         fb = tables.fb_prefix(m)
-        n0 = min(in_flight(cfg.schedule, cfg.stages, p, cfg.micro_batches) for p in (0, cfg.stages - 1))
+        #: Per virtual stage: its micro-batches in flight (a stage's own, so bounds stay tight at every position).
+        self.counts = [
+            in_flight(cfg.schedule, cfg.stages, k % cfg.stages, cfg.micro_batches, k // cfg.stages)
+            for k in range(cfg.virtual_stages)
+        ]
         self.cap = tables.cap
+        # gradients left out of the bounds where any stage may lack them
+        fresh = any(fresh_stages(tables, cfg))
         #: One micro-batch of activations: the bound used for the memory objective of :func:`solve_memory`.
-        fresh = any(
-            fresh_stages(tables, cfg)
-        )  # gradients left out of the bounds where any stage may lack them
         self.pm = tables.memory_prefix(m, v, 1, fresh)
-        self.pm_off = tables.memory_prefix(m, v, n0, fresh)
-        self.cap_on = self.cap - v * n0 * min(at.stage_input) if checkpointing else -1
-        self.ck = self.cap_on >= 0
+        c0 = min(at.stage_input)
+        self._pm_off = {n: tables.memory_prefix(m, v, n, fresh) for n in set(self.counts)}
+        # The messages a stage keeps, at least every inner cut's smallest: ``(msg - M) c`` received (a
+        # stage's saved inputs are views of its M receive buffers) and ``msg c`` for gradients, inside a pipeline.
+        msg, mb, nv = cfg.messages, cfg.micro_batches, cfg.virtual_stages
+        cut = min(at.cuts[:-1]) if len(at.cuts) > 1 else 0
+        #: Per stage: room for the plain family (``static + n a``) and the checkpointed one (``static + a``).
+        self._cap_off: list[int] = []
+        self._cap_on: list[int] = []
+        for k, n in enumerate(self.counts):
+            send = msg * cut if k < nv - 1 else 0
+            recv = cut if k > 0 else 0
+            self._cap_off.append(self.cap - v * ((msg - mb) * recv + send))
+            self._cap_on.append(self.cap - v * (n * c0 + (msg - n) * recv + send) if checkpointing else -1)
+        self.ck = max(self._cap_on) >= 0
         f2b = tables.fb_prefix(m, recompute=True) if self.ck else fb
         opt = tables.opt_us
         if r > 1:
@@ -81,29 +97,32 @@ class Relaxation:
             return INF
         return (tau + _SLACK * (abs(tau) + self.scale * self.pr_on[-1]) - self.const) / self.scale
 
-    def reach(self, i: int, room: float) -> int:
-        """Farthest end ``j`` such that blocks ``[i, j)`` are in either family (``room`` from :meth:`room`)."""
-        pm, pr = self.pm_off, self.pr
-        j = bisect_right(pm, pm[i] + self.cap) - 1
+    def reach(self, i: int, room: float, k: int) -> int:
+        """Farthest end ``j`` such that blocks ``[i, j)`` as stage ``k`` are in either family (``room`` from
+        :meth:`room`)."""
+        pm, pr = self._pm_off[self.counts[k]], self.pr
+        j = bisect_right(pm, pm[i] + self._cap_off[k]) - 1
         if room < INF:
             j = min(j, bisect_right(pr, pr[i] + room) - 1)
-        if self.ck:
+        cap_on = self._cap_on[k]
+        if cap_on >= 0:
             pm, pr = self.pm, self.pr_on
-            j2 = bisect_right(pm, pm[i] + self.cap_on) - 1
+            j2 = bisect_right(pm, pm[i] + cap_on) - 1
             if room < INF:
                 j2 = min(j2, bisect_right(pr, pr[i] + room) - 1)
             j = max(j, j2)
         return j
 
-    def start(self, j: int, room: float) -> int:
-        """Smallest start ``i`` such that blocks ``[i, j)`` are in either family."""
-        pm, pr = self.pm_off, self.pr
-        i = bisect_left(pm, pm[j] - self.cap)
+    def start(self, j: int, room: float, k: int) -> int:
+        """Smallest start ``i`` such that blocks ``[i, j)`` as stage ``k`` are in either family."""
+        pm, pr = self._pm_off[self.counts[k]], self.pr
+        i = bisect_left(pm, pm[j] - self._cap_off[k])
         if room < INF:
             i = max(i, bisect_left(pr, pr[j] - room))
-        if self.ck:
+        cap_on = self._cap_on[k]
+        if cap_on >= 0:
             pm, pr = self.pm, self.pr_on
-            i2 = bisect_left(pm, pm[j] - self.cap_on)
+            i2 = bisect_left(pm, pm[j] - cap_on)
             if room < INF:
                 i2 = max(i2, bisect_left(pr, pr[j] - room))
             i = min(i, i2)
@@ -118,7 +137,7 @@ class Relaxation:
         hi = [0] * (nv + 1)
         pos = 0
         for s in range(1, nv + 1):
-            j = min(n - (nv - s), self.reach(pos, room))
+            j = min(n - (nv - s), self.reach(pos, room, s - 1))
             if j <= pos:
                 return None
             hi[s] = pos = j
@@ -127,7 +146,7 @@ class Relaxation:
         lo = [0] * (nv + 1)
         lo[nv] = pos = n
         for s in range(nv - 1, -1, -1):
-            i = max(s, self.start(pos, room))
+            i = max(s, self.start(pos, room, s))
             if i >= pos:
                 return None
             lo[s] = pos = i

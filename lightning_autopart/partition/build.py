@@ -120,11 +120,15 @@ def build_plan(
 
 def memory_table(ev: Evaluation) -> str:
     """Per-stage memory table (params / grads / optimizer / activations / total vs limit) of ``ev``."""
-    head = ("stage", "blocks", "params", "grads", "optimizer", "activations", "transient", "total", "limit", "")
+    # An interleaved chunk is judged alone ([Note: a rank's chunks] in scoring.py): its bound, then its share.
+    head: tuple[str, ...] = ("stage", "blocks", "params", "grads", "optimizer", "activations", "transient", "total",
+                             "limit", "")
+    if ev.config.chunks > 1:
+        head = (*head[:7], "alone", "share at peak", *head[8:])
     rows = []
     stages = list(ev.stages)
     over = [s for s in stages if not s.fits]
-    shown = stages if len(stages) <= _MAX_ROWS else sorted(over or stages, key=lambda s: -s.memory_bytes)
+    shown = stages if len(stages) <= _MAX_ROWS else sorted(over or stages, key=lambda s: -s.bound_bytes)
     shown = sorted(shown[:_MAX_ROWS], key=lambda s: s.index)
     for s in shown:
         rows.append(
@@ -136,7 +140,8 @@ def memory_table(ev: Evaluation) -> str:
                 format_bytes(s.optimizer_bytes),
                 format_bytes(s.activation_bytes + s.buffer_bytes),
                 format_bytes(s.transient_bytes),
-                format_bytes(s.memory_bytes),
+                format_bytes(s.bound_bytes),
+                *([format_bytes(s.memory_bytes)] if ev.config.chunks > 1 else []),
                 format_bytes(s.limit_bytes),
                 "OVER" if not s.fits else "ok",
             )
@@ -162,12 +167,12 @@ def infeasible_error(
     if ev is None:
         return PlanError(f"{head}; even one block does not fit: {fix}")
     cfg = ev.config
-    worst = max(ev.stages, key=lambda s: s.memory_bytes / max(1, s.limit_bytes))
+    worst = max(ev.stages, key=lambda s: s.bound_bytes / max(1, s.limit_bytes))
     mbs = batch_size // (cfg.replicas * cfg.micro_batches)
     msg = (
         f"{head}.\nClosest plan: {cfg.stages} stage(s) x {cfg.replicas} replica(s), {cfg.micro_batches} "
         f"micro-batch(es) of {mbs} sample(s), {cfg.schedule}; stage {worst.index} needs "
-        f"{format_bytes(worst.memory_bytes)} > {format_bytes(worst.limit_bytes)}.\n"
+        f"{format_bytes(worst.bound_bytes)} > {format_bytes(worst.limit_bytes)}.\n"
         f"{memory_table(ev)}\nTo fix: {fix}."
     )
     return PlanError(msg, closest=plan)

@@ -4,11 +4,12 @@ schedule constraints of torch.distributed.pipelining that make it valid, and wha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from lightning_autopart.partition.placement import LAYOUTS
 from lightning_autopart.plan import SCHEDULES
 
-__all__ = ["CHUNKS", "Config", "check_config", "in_flight"]
+__all__ = ["CHUNKS", "Config", "check_config", "in_flight", "interleaved_moments"]
 
 #: Model chunks per rank for each schedule.
 CHUNKS = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
@@ -40,6 +41,12 @@ class Config:
         return self.stages * CHUNKS[self.schedule]
 
     @property
+    def messages(self) -> int:
+        """Micro-batches of each cut a chunk's messages keep: its receive buffers, and under Interleaved1F1B the
+        sends torch's runtime waits on only at the step's end ([Note: pipeline buffers] in cost.py)."""
+        return self.micro_batches if self.chunks == 1 else 2 * self.micro_batches - 1
+
+    @property
     def ticks(self) -> int:
         """``K = v*M + S - 1``: clock ticks of one step."""
         return CHUNKS[self.schedule] * self.micro_batches + self.stages - 1
@@ -69,16 +76,51 @@ def check_config(cfg: Config, num_blocks: int, world_size: int, batch_size: int)
     return None
 
 
-def in_flight(schedule: str, stages: int, position: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage (chunk) at ``position`` holds at peak under ``schedule``; a
-    single stage runs each micro-batch's forward and backward in turn (the runtime's [Note: one stage])."""
+def in_flight(schedule: str, stages: int, position: int, micro_batches: int, chunk: int = 0) -> int:
+    """Most micro-batches whose activations the stage at ``position`` (its ``chunk``-th model chunk) holds at
+    once under ``schedule``; a single stage runs each micro-batch's forward and backward in turn (the
+    runtime's [Note: one stage]). Interleaved: the chunk's most over the rank's backwards
+    ([Note: interleaved in flight])."""
     if stages == 1:
         return 1
     if schedule == "GPipe":
         return micro_batches
     if schedule == "1F1B":
         return min(stages - position, micro_batches)
-    v = CHUNKS[schedule]
-    # ceil((S - p) * (1 + (S - 1) / (S * v))) in exact integer arithmetic.
-    held = -(-(stages - position) * (stages * v + stages - 1) // (stages * v))
-    return min(micro_batches, held)
+    moments = interleaved_moments(stages, micro_batches, CHUNKS[schedule], position)
+    return max(held[chunk] for held, _, _ in moments)
+
+
+@lru_cache(maxsize=1024)
+def interleaved_moments(
+    stages: int, micro_batches: int, chunks: int, rank: int
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]:
+    """At each backward of ``rank`` under torch's ScheduleInterleaved1F1B, in order: the micro-batches each of
+    its chunks holds (the one backward runs on included), those each has finished, and the chunk it runs on.
+
+    [Note: interleaved in flight] The order is torch's (``_get_1f1b_rank_ops`` with its warm-up, checked
+    against torch in tests/unit/test_schedule_moments.py): rounds of ``R = M / max(1, M // S)`` micro-batches;
+    forward ``f`` runs chunk ``(f // R) % v``, backward ``b`` chunk ``v - 1 - (b // R) % v``; ``w = min((v-1) R
+    + 2 (S - 1 - rank), v M)`` forwards warm up, then each backward follows one more forward. A rank's
+    activations peak at one of these moments. The chunks do not peak together: on 2 ranks x 2 chunks and 4
+    micro-batches rank 0 holds (3, 2) then (4, 1) chunk micro-batches, at most 4 of chunk 0 and 2 of chunk 1,
+    and 5 in all. The planner prices each chunk with its own most (a bound it can add up stage by stage);
+    :func:`~lightning_autopart.partition.scoring.evaluate_config` reports the rank's true peak over these
+    moments.
+    """
+    v, m = chunks, micro_batches
+    per_round = m // max(1, m // stages)
+    warmup = min((v - 1) * per_round + 2 * (stages - 1 - rank), v * m)
+    held, done = [0] * v, [0] * v
+    for f in range(warmup):
+        held[(f // per_round) % v] += 1
+    out = []
+    for b in range(v * m):
+        f = warmup + b
+        if f < v * m:
+            held[(f // per_round) % v] += 1
+        c = v - 1 - (b // per_round) % v
+        out.append((tuple(held), tuple(done), c))
+        held[c] -= 1
+        done[c] += 1
+    return tuple(out)

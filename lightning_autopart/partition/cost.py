@@ -19,7 +19,7 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     static = params + grads + optimizer + buffers            (+ a full copy of each tied parameter the
                                                               stage uses but whose owner block it lacks)
     in_flight = 1 (S = 1) | M (GPipe) | min(S - p, M) (1F1B)
-              | min(M, ceil((S - p) * (1 + (S - 1) / (S*v))))  (Interleaved1F1B, per chunk)
+              | the chunk's most over its rank's backwards (Interleaved1F1B, [Note: interleaved in flight])
     X = max x_k                                                 (one micro-batch's backward at a time)
     Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
     D = min(u, grads, X if S*v = 1 else grads) if fresh else 0  (gradients not yet made at the peak, see below)
@@ -71,8 +71,14 @@ drops them before its first forward (the strategy's ``training_step``), so there
 The activations count some of it already: what block ``i`` saves of its input (``alias_i``) is the receive
 buffer or the batch, and so is every input a checkpointed stage keeps. So::
 
-    P = max(ceil(batch_bytes * (B/r) / v), M * c_{-1}) + M * (recv_i + send_j)
+    P = max(ceil(batch_bytes * (B/r) / v), M * c_{-1}) + msg * (recv_i + send_j)
     Q_off = in_flight * (held_j - alias_i),   Q_on = in_flight * (held_j - c_{i-1}),   P + Q >= 0
+
+with ``msg = M``, or ``2M - 1`` under Interleaved1F1B: torch's runtime for several chunks per rank waits on its
+sends only at the step's end, so each finished micro-batch's output and input gradient stay until then (a
+chunk judged alone counts ``M - 1`` of them; its rank's peak counts those finished by then, [Note: a rank's
+chunks] in scoring.py). Interleaved: 1.16-1.17 of each rank's measured peak before the schedule's own order and
+these sends were priced, 1.01-1.02 since (``--cases Interleaved1F1B:4``).
 
 Each rank's measured step peak against its stage's predicted memory, 2-stage MLP on 2 gloo ranks
 (``bench/pipeline_peak.py``): 0.93-0.97 under 1F1B and 1.08-1.10 under GPipe without them (and with ``D``
@@ -123,6 +129,7 @@ the same expressions in the same order, so its optimum and a brute force over ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
 from lightning_autopart.partition.placement import link_pattern
@@ -131,6 +138,7 @@ from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
 __all__ = [
     "CHUNKS",
     "INF",
+    "ChunkParts",
     "Config",
     "ConfigCosts",
     "CostTables",
@@ -197,6 +205,9 @@ class ConfigCosts:
     batch: int = 0
     #: ``held_j`` per boundary: a single stage runs no schedule, which would keep the model's outputs.
     held: list[int] = field(default_factory=list)
+    #: Micro-batches of each cut a chunk's messages keep: its receive buffers, and under Interleaved1F1B the
+    #: sends torch's runtime waits on only at the step's end ([Note: pipeline buffers]).
+    messages: int = 0
 
 
 def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> ConfigCosts:
@@ -211,12 +222,13 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     pat = link_pattern(s, r, cl.devices_per_node, cfg.layout)
     intra, inter = tables.p2p(m, True), tables.p2p(m, False)
     out = [intra if x else inter for x in pat.p2p_intra]
-    cc.in_flight = [in_flight(cfg.schedule, s, p, cfg.micro_batches) for p in range(s)] * v
+    cc.in_flight = [in_flight(cfg.schedule, s, k % s, cfg.micro_batches, k // s) for k in range(s * v)]
     cc.p2p_out = out * v
     cc.p2p_in = [out[p - 1] for p in range(s)] * v
     cc.fresh = fresh_stages(tables, cfg) * v
     cc.capped = not cfg.pipelined
     cc.held = at.held if cfg.pipelined else [*at.held[:-1], 0]
+    cc.messages = cfg.messages
     # at least every micro-batch's input, which the first stage's in-flight inputs (Q) are views of
     cc.batch = max(-(-int(tables.batch_per_sample * (batch_size // r)) // v), cfg.micro_batches * at.stage_input[0])
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
@@ -275,6 +287,27 @@ class StageCost:
     data_us: float = 0.0
     #: The batch and the pipeline's buffers at the activations' peak, ``P + Q`` (see [Note: pipeline buffers]).
     io_bytes: int = 0
+    #: What feasibility judges against ``limit_bytes``: ``memory_bytes``, or for a chunk of an interleaved rank
+    #: its bound alone (its most micro-batches in flight and its own backward), where ``memory_bytes`` is its
+    #: share of the rank's peak ([Note: a rank's chunks] in scoring.py).
+    bound_bytes: int = 0
+    parts: ChunkParts | None = None
+
+
+class ChunkParts(NamedTuple):
+    """A chunk's memory as its rank's moments combine it: ``state + io + d * sent + max(n * (activation + held)
+    + [recompute + transient while its backward runs], optimizer)`` with ``n`` micro-batches in flight and
+    ``d`` done ([Note: a rank's chunks] in scoring.py)."""
+
+    state: int
+    io: int
+    activation: int
+    held: int
+    #: What a finished micro-batch's messages keep until the step ends (its output and its input's gradient).
+    sent: int
+    recompute: int
+    transient: int
+    optimizer: int
 
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
@@ -293,7 +326,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     d_off = min(a_sum, grad, top) if cc.fresh[k] else 0
     d_on = min(at.stage_input[i], grad, top) if cc.fresh[k] else 0
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
-    held = cc.batch + mb * (at.recv[i] + at.send[j])
+    held = cc.batch + cc.messages * (at.recv[i] + at.send[j])
     q_run = infl * cc.held[j]
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
@@ -327,6 +360,8 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     if w < cc.data_floor:
         data, w = cc.data_floor - w, cc.data_floor
     buf = tables.buffers[j] - tables.buffers[i]
+    unit, kept = (at.stage_input[i], at.stage_input[i]) if ck else (a_sum, at.alias[i])  # per micro-batch
+    sent = at.recv[i] + at.send[j]
     return StageCost(
         index=k,
         block_start=i,
@@ -348,9 +383,13 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         activation_bytes=act - excess,
         transient_bytes=max(trans - d + excess, y - act - q + excess),
         in_flight=infl,
-        memory_bytes=st + held + max(act + trans - d + q, y),
+        memory_bytes=(mem := st + held + max(act + trans - d + q, y)),
         limit_bytes=tables.usable // v,
         param_count=tables.counts[j] - tables.counts[i] + tn,
         data_us=data,
         io_bytes=held + q,
+        bound_bytes=mem,
+        parts=None if v == 1 else ChunkParts(
+            st, held - (mb - 1) * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y
+        ),
     )

@@ -57,7 +57,7 @@ def solve(
     sh = at.shared
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
-    batch, mb, capped = cc.batch, cc.cfg.micro_batches, cc.capped
+    batch, mb, capped = cc.batch, cc.messages, cc.capped
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
@@ -83,7 +83,7 @@ def solve(
             hfbj, hfj = hfb[j], hf[j]
             # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
             pj, qj = batch + mb * sd[j], infl * hd[j]
-            ilo = max(plo, start(j, room))
+            ilo = max(plo, start(j, room, k))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
                 pv = prev[i]
@@ -189,7 +189,7 @@ def solve_memory(
     sh = at.shared
     pg, yf = tables.grads, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
-    batch, mb, capped = cc.batch, cc.cfg.micro_batches, cc.capped
+    batch, mb, capped = cc.batch, cc.messages, cc.capped
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)

@@ -212,7 +212,11 @@ class CostTables:
                 cuts=cuts,
                 transient=RangeMax([c.transient_bytes for c in costs]),
                 recv=[0, *cuts[:-1]],
-                alias=[round(b.saved_input_share * c) for b, c in zip(blocks, inputs, strict=True)],
+                # a part of what the block saves, never more (a + q >= 0 per micro-batch in flight)
+                alias=[
+                    min(round(b.saved_input_share * c), cost.activation_bytes)
+                    for b, c, cost in zip(blocks, inputs, costs, strict=True)
+                ],
                 send=inner,
                 held=kept,
             )

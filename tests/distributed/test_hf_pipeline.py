@@ -41,6 +41,8 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
         {"model": "bert", "stages": 2, "schedule": "1F1B", "optimizer": "sgd", "validate": True},
         {"model": "mistral", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
         {"model": "mixtral", "stages": 2, "schedule": "GPipe", "optimizer": "sgd"},
+        # 2 chunks per rank whose micro-batches peak at different moments ([Note: a rank's chunks])
+        {"model": "llama", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4},
     ],
     4: [
         # with 2 replicas per stage; the 2-rank launch covers each model and schedule with one
@@ -159,7 +161,8 @@ def test_hf_pipeline_equals_single_process(worlds: dict[int, WorldRun], index: i
     # replica logs the loss of its own share of the global batch, and the replicas' mean is the reference's.
     by_replica: dict[int, list[float]] = {}
     for rank, got in by_rank.items():
-        assert got["plan_stages"] == case["stages"], f"rank {rank}: plan has {got['plan_stages']} stages"
+        chunks = 2 if case["schedule"] == "Interleaved1F1B" else 1
+        assert got["plan_stages"] == chunks * case["stages"], f"rank {rank}: plan has {got['plan_stages']} stages"
         assert got["schedule"] == case["schedule"]
         losses = by_replica.setdefault(got["replica"], got["losses"])
         assert got["losses"] == losses, (

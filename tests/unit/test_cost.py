@@ -90,10 +90,12 @@ def test_in_flight_per_schedule() -> None:
     assert in_flight("GPipe", 4, 3, 8) == 8
     assert [in_flight("1F1B", 4, p, 8) for p in range(4)] == [4, 3, 2, 1]
     assert in_flight("1F1B", 4, 0, 2) == 2
-    # ceil((S - p) * (1 + (S - 1) / (S * v))) with S=4, v=2: 4 * 1.375 = 5.5 -> 6; 1 * 1.375 -> 2.
-    assert in_flight("Interleaved1F1B", 4, 0, 8) == 6
-    assert in_flight("Interleaved1F1B", 4, 3, 8) == 2
-    assert in_flight("Interleaved1F1B", 4, 0, 4) == 4
+    # Interleaved, per chunk (tests/unit/test_schedule_moments.py): S=4, M=8, rank 0 warms up 8 forwards, 4 of
+    # each chunk, then runs 4 more of chunk 0 before its first backward on it; the last rank warms up 4 of chunk 0
+    # and takes one more before each backward of chunk 1.
+    assert [in_flight("Interleaved1F1B", 4, 0, 8, c) for c in (0, 1)] == [8, 4]
+    assert [in_flight("Interleaved1F1B", 4, 3, 8, c) for c in (0, 1)] == [5, 1]
+    assert [in_flight("Interleaved1F1B", 4, 0, 4, c) for c in (0, 1)] == [4, 4]
 
 
 def test_two_stage_gpipe_step_time() -> None:
