@@ -1,7 +1,7 @@
 """Each pipeline rank's step peak against its stage's predicted memory, on 2 gloo ranks of this machine.
 
-Usage: ``python bench/pipeline_peak.py [--model mlp|llama|gpt2] [--cases 1F1B:4 1F1B:8 GPipe:4] [--batch N]
-[--parts]`` (about 20 s a case).
+Usage: ``python bench/pipeline_peak.py [--model mlp|llama|gpt2] [--cases 1F1B:4 1F1B:8 GPipe:4 Interleaved1F1B:4]
+[--batch N] [--parts]`` (about 20 s a case).
 
 Models: a 2-stage MLP (8 x Linear(256, 1024) + GELU + Linear(1024, 256)) with SGD (no state, so activations
 decide the peak), ``--batch`` 1,024 samples of 256 features a step; or a Hugging Face Llama or GPT-2 (4 layers,
@@ -124,7 +124,7 @@ def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path) -> 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=["1F1B:4", "1F1B:8", "GPipe:4"])
+    parser.add_argument("--cases", nargs="+", default=["1F1B:4", "1F1B:8", "GPipe:4", "Interleaved1F1B:4"])
     parser.add_argument("--batch", type=int, default=None, help="samples a step (mlp: 1024; others: 16)")
     parser.add_argument("--model", default="mlp", choices=("mlp", "llama", "gpt2"))
     parser.add_argument("--parts", action="store_true", help="print each prediction's parts (MB)")
