@@ -15,7 +15,7 @@ _SLACK = 1e-9
 
 
 class Relaxation:
-    """Monotone lower bounds of one configuration, valid for every layout.
+    """Monotone lower bounds of one configuration, valid for every layout (and the split of ``cfg.shares``).
 
     With ``n`` the in-flight micro-batches of the stage's place in the pipeline (its position and chunk; no
     layout changes it) and ``c0`` the smallest stage input, a stage of blocks ``[i, j)`` with term ``w <= tau``
@@ -42,7 +42,6 @@ class Relaxation:
             in_flight(cfg.schedule, cfg.stages, k % cfg.stages, cfg.micro_batches, k // cfg.stages)
             for k in range(cfg.virtual_stages)
         ]
-        self.cap = tables.cap
         # gradients left out of the bounds where any stage may lack them
         fresh = any(fresh_stages(tables, cfg))
         #: One micro-batch of activations: the bound used for the memory objective of :func:`solve_memory`.
@@ -53,14 +52,19 @@ class Relaxation:
         # stage's saved inputs are views of its M receive buffers) and ``msg c`` for gradients, inside a pipeline.
         msg, mb, nv = cfg.messages, cfg.micro_batches, cfg.virtual_stages
         cut = min(at.cuts[:-1]) if len(at.cuts) > 1 else 0
-        #: Per stage: room for the plain family (``static + n a``) and the checkpointed one (``static + a``).
+        #: Per stage: room for the plain family (``static + n a``) and the checkpointed one (``static + a``), in
+        #: the prefixes' units (``v`` bytes each: ``v * memory <= v * limit``).
         self._cap_off: list[int] = []
         self._cap_on: list[int] = []
+        limits = tables.limits(cfg, m)  # the split of cfg.shares: one relaxation per split
+        #: The largest stage's room, for the memory objective of :func:`solve_memory` (a lower bound still).
+        self.cap = v * max(limits)
         for k, n in enumerate(self.counts):
             send = msg * cut if k < nv - 1 else 0
             recv = cut if k > 0 else 0
-            self._cap_off.append(self.cap - v * ((msg - mb) * recv + send))
-            self._cap_on.append(self.cap - v * (n * c0 + (msg - n) * recv + send) if checkpointing else -1)
+            room = v * limits[k]
+            self._cap_off.append(room - v * ((msg - mb) * recv + send))
+            self._cap_on.append(room - v * (n * c0 + (msg - n) * recv + send) if checkpointing else -1)
         self.ck = max(self._cap_on) >= 0
         f2b = tables.fb_prefix(m, recompute=True) if self.ck else fb
         opt = tables.opt_us

@@ -87,6 +87,8 @@ def build_plan(
     ckpt = [sc.index for sc in ev.stages if sc.checkpoint]
     notes = dict(notes)
     notes["bottleneck_stage"] = ev.bottleneck
+    if cfg.chunks > 1:  # how each rank's device was split among its chunks ([Note: chunk shares])
+        notes["chunk_shares"] = cfg.shares
     loader = LoaderCost.from_meta(profile.meta.get("loader"))
     if loader is not None:
         every = loader.readback_every
@@ -98,7 +100,8 @@ def build_plan(
         notes["checkpointing"] = (
             f"{len(ckpt)} of {len(ev.stages)} stages ({_ranges(ckpt)}) recompute activations in backward: "
             f"without it they exceed "
-            f"{format_bytes(cluster.usable_memory_bytes // v)} per {'chunk' if v > 1 else 'device'}"
+            + (f"their share of {format_bytes(cluster.usable_memory_bytes)} per device" if v > 1
+               else f"{format_bytes(cluster.usable_memory_bytes)} per device")
         )
     return Plan(
         fingerprint=profile.fingerprint(),

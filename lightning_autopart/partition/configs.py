@@ -9,10 +9,13 @@ from functools import lru_cache
 from lightning_autopart.partition.placement import LAYOUTS
 from lightning_autopart.plan import SCHEDULES
 
-__all__ = ["CHUNKS", "Config", "check_config", "in_flight", "interleaved_moments"]
+__all__ = ["CHUNKS", "SHARES", "Config", "check_config", "chunk_counts", "in_flight", "interleaved_moments"]
 
 #: Model chunks per rank for each schedule.
 CHUNKS = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+#: How a rank's device is split among its chunks ([Note: chunk shares] in tables.py): equally, or in proportion
+#: to what an average chunk with the chunk's in-flight micro-batches holds.
+SHARES = ("even", "in-flight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,8 @@ class Config:
     micro_batches: int
     schedule: str
     layout: str = "pipeline-major"
+    #: How a rank's device is split among its chunks (one of SHARES; one chunk per rank takes it all).
+    shares: str = "even"
 
     @property
     def chunks(self) -> int:
@@ -59,6 +64,8 @@ def check_config(cfg: Config, num_blocks: int, world_size: int, batch_size: int)
         return f"unknown schedule {cfg.schedule!r}"
     if cfg.layout not in LAYOUTS:
         return f"unknown layout {cfg.layout!r}"
+    if cfg.shares not in SHARES:
+        return f"unknown shares {cfg.shares!r}"
     if r < 1 or s < 1 or mb < 1:
         return "replicas, stages and micro-batches must be >= 1"
     if batch_size % r or (batch_size // r) % mb:
@@ -87,11 +94,20 @@ def in_flight(schedule: str, stages: int, position: int, micro_batches: int, chu
         return micro_batches
     if schedule == "1F1B":
         return min(stages - position, micro_batches)
-    moments = interleaved_moments(stages, micro_batches, CHUNKS[schedule], position)
-    return max(held[chunk] for held, _, _ in moments)
+    return chunk_counts(stages, micro_batches, CHUNKS[schedule])[position][chunk]
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
+def chunk_counts(stages: int, micro_batches: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, per chunk: its most micro-batches in flight under Interleaved1F1B."""
+    return tuple(
+        tuple(max(held[c] for held, _, _ in interleaved_moments(stages, micro_batches, chunks, rank))
+              for c in range(chunks))
+        for rank in range(stages)
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=256)
 def interleaved_moments(
     stages: int, micro_batches: int, chunks: int, rank: int
 ) -> tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]:

@@ -28,7 +28,8 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
                                                               keep only the stage input per micro-batch,
                                                               recompute one micro-batch at a time)
     P, Q = the batch and the pipeline's buffers, kept and in flight ([Note: pipeline buffers])
-    checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable / v
+    checkpoint = memory_off > limit (and then Bw += F);  feasible iff chosen memory <= limit = usable, or a
+                                                              chunk's share of it ([Note: chunk shares])
     p2p(bytes, link) = bytes / bw_link * 1e6 + latency_us
     h = 2 * action_us if V > 1 else 0                           (host time of a micro-batch's two actions; a
                                                                 single stage runs its micro-batches in its own
@@ -92,7 +93,7 @@ as long as the slowest stage; a stage's all-reduce follows its last backward, it
 and completing its messages) and ``step_us`` (per step, outside the pipeline: the loss's broadcast, the stop
 check) are the cluster's host overheads (see [Note: host overhead]). Links and all-reduce groups are intra- or
 inter-node per the rank layout (:mod:`.placement`). A device's peak memory is the sum over the chunks it holds
-(one chunk unless interleaved). Memory is compared in exact integer bytes (``v * memory <= usable``), so
+(one chunk unless interleaved). Memory is compared in exact integer bytes (``memory <= limit``), so
 feasibility never depends on rounding.
 
 [Note: loader in the step] Every rank of a replica fetches the replica's ``B/r`` samples each step (the first
@@ -208,6 +209,8 @@ class ConfigCosts:
     #: Micro-batches of each cut a chunk's messages keep: its receive buffers, and under Interleaved1F1B the
     #: sends torch's runtime waits on only at the step's end ([Note: pipeline buffers]).
     messages: int = 0
+    #: Per virtual stage: the bytes it may use ([Note: chunk shares] in tables.py).
+    limit: list[int] = field(default_factory=list)
 
 
 def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing: bool = True) -> ConfigCosts:
@@ -229,6 +232,7 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.capped = not cfg.pipelined
     cc.held = at.held if cfg.pipelined else [*at.held[:-1], 0]
     cc.messages = cfg.messages
+    cc.limit = tables.limits(cfg, m)
     # at least every micro-batch's input, which the first stage's in-flight inputs (Q) are views of
     cc.batch = max(-(-int(tables.batch_per_sample * (batch_size // r)) // v), cfg.micro_batches * at.stage_input[0])
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
@@ -312,7 +316,7 @@ class ChunkParts(NamedTuple):
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
     """Cost of virtual stage ``k`` holding blocks ``[i, j)``; when it does not fit, the smaller memory is shown."""
-    v, at, cap = cc.v, cc.at, tables.cap
+    v, at, cap = cc.v, cc.at, cc.limit[k]
     tp, tg, to, tn = tables.tied_extra(i, j)
     st = tables.static[j] - tables.static[i] + tp + tg + to
     a_sum = at.acts[j] - at.acts[i] + at.shared[i]
@@ -330,9 +334,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     q_run = infl * cc.held[j]
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
-    if v * (st + held + max(act_off + trans - d_off + q_off, y)) <= cap:
+    if st + held + max(act_off + trans - d_off + q_off, y) <= cap:
         ck, act, d, q = False, act_off, d_off, q_off
-    elif cc.checkpointing and v * (st + held + max(act_on + trans - d_on + q_on, y)) <= cap:
+    elif cc.checkpointing and st + held + max(act_on + trans - d_on + q_on, y) <= cap:
         ck, act, d, q = True, act_on, d_on, q_on
     else:
         fits = False
@@ -384,7 +388,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         transient_bytes=max(trans - d + excess, y - act - q + excess),
         in_flight=infl,
         memory_bytes=(mem := st + held + max(act + trans - d + q, y)),
-        limit_bytes=tables.usable // v,
+        limit_bytes=cap,
         param_count=tables.counts[j] - tables.counts[i] + tn,
         data_us=data,
         io_bytes=held + q,

@@ -51,7 +51,7 @@ def solve(
     if bands is None:
         return None
     n, nv = tables.num_blocks, cc.cfg.virtual_stages
-    start, room, cap = relax.start, relax.room(tau), tables.cap
+    start, room = relax.start, relax.room(tau)
     at = cc.at
     pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
     sh = at.shared
@@ -72,7 +72,7 @@ def solve(
         k = s - 1
         jlo, jhi = bands[s]
         plo, phi = bands[s - 1]
-        infl, fresh = cc.in_flight[k], cc.fresh[k]
+        infl, fresh, cap = cc.in_flight[k], cc.fresh[k], cc.limit[k]
         pin, pout = cc.p2p_in[k], cc.p2p_out[k]
         coef, cst = cc.ar_coef[k], cc.ar_const[k]
         cur = [INF] * (n + 1)
@@ -112,9 +112,9 @@ def solve(
                     d_off = d_on = 0
                 h = host + (hfbj - hfb[i])
                 st += pj + mb * rv[i]
-                if v * (st + max(x + infl * a_sum - d_off + qj - infl * al[i], y)) <= cap:
+                if st + max(x + infl * a_sum - d_off + qj - infl * al[i], y) <= cap:
                     comp = fb
-                elif ck and v * (st + max(x + a_sum - d_on + qj, y)) <= cap:
+                elif ck and st + max(x + a_sum - d_on + qj, y) <= cap:
                     comp = fb + f
                     h += hfj - hf[i]
                 else:
@@ -159,13 +159,13 @@ def solve_memory(
 ) -> tuple[float, tuple[int, ...]] | None:
     """Partition minimising the largest ``memory / limit`` over stages (fitting or not), among those ``<= tau``.
 
-    Same recurrence as :func:`solve` with ``w = v * memory / usable``, where a stage takes
+    Same recurrence as :func:`solve` with ``w = memory / limit``, where a stage takes
     whichever of plain or checkpointed memory is smaller (plain only without checkpointing). Used to find the
     closest plan when nothing fits. Bands come from the monotone lower bound ``static + sum a_k``. Returns None
     when no partition is ``<= tau`` or when ``budget`` runs out first (then the caller keeps what it has).
     """
     n, nv = tables.num_blocks, cc.cfg.virtual_stages
-    cap = tables.cap
+    cap = cc.v * max(cc.limit)  # pm is in units of v bytes: the bands' relaxation takes the largest limit
     pm = tables.memory_prefix(cc.m, cc.v, 1, any(cc.fresh))
     room = int(tau * cap) + 1 if tau < INF else None
     hi = [0] * (nv + 1)
@@ -197,7 +197,7 @@ def solve_memory(
     args: list[list[int]] = []
     plo, phi = 0, 0
     for s in range(1, nv + 1):
-        infl, fresh = cc.in_flight[s - 1], cc.fresh[s - 1]
+        infl, fresh, lim = cc.in_flight[s - 1], cc.fresh[s - 1], cc.limit[s - 1]
         cur = [INF] * (n + 1)
         arg = [-1] * (n + 1)
         first = last = -1
@@ -208,7 +208,7 @@ def solve_memory(
                 pv = prev[i]
                 if pv > best or (bi >= 0 and pv == best):
                     continue
-                if (pm[j] - pm[i]) / cap > best:
+                if (pm[j] - pm[i]) / (v * lim) > best:
                     break
                 st = ps[j] - ps[i]
                 gr = pg[j] - pg[i]
@@ -225,7 +225,7 @@ def solve_memory(
                 if ck:
                     units = min(units, a_sum - (min(cin[i], gr, bound) if fresh else 0) + q)
                 st += batch + mb * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
-                w = v * (st + max(units + x, int(gr * yf))) / cap
+                w = (st + max(units + x, int(gr * yf))) / lim
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

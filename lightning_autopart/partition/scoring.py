@@ -2,8 +2,8 @@
 
 [Note: a rank's chunks] An interleaved rank holds ``v`` chunks whose in-flight micro-batches peak at different
 moments of the schedule ([Note: interleaved in flight] in configs.py), and whose backwards run one at a time.
-The planner judges each chunk alone (``bound_bytes``: its most micro-batches, its own backward, against
-``usable / v``), which adds up stage by stage. The rank's true peak is the largest, over its backwards, of
+The planner judges each chunk alone (``bound_bytes``: its most micro-batches, its own backward, against its
+share of the device, [Note: chunk shares] in tables.py), which adds up stage by stage. The rank's true peak is the largest, over its backwards, of
 ``sum_c state_c + io_c + max(sum_c n_c (a_c + q_c) + [recompute_b + X_b], sum_c y_c)`` with ``n_c`` the chunks'
 micro-batches at that moment and ``b`` the chunk whose backward runs; :func:`share_rank_peaks` finds it and
 splits it among the chunks (``memory_bytes`` and its parts at that moment), so a rank's chunks add up to it. On
@@ -18,7 +18,7 @@ from itertools import pairwise
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.partition.configs import interleaved_moments
+from lightning_autopart.partition.configs import SHARES, interleaved_moments
 from lightning_autopart.partition.cost import (
     CHUNKS,
     Config,
@@ -107,13 +107,14 @@ def evaluate(
         raise ConfigError(f"{schedule} needs a multiple of {v} stages, got {len(b) - 1}")
     best: Evaluation | None = None
     for lay in (layout,) if layout is not None else LAYOUTS:
-        cfg = Config(replicas, (len(b) - 1) // v, micro_batches, schedule, lay)
-        why = check_config(cfg, n, cluster.world_size, batch_size)
-        if why is not None:
-            raise ConfigError(f"invalid configuration: {why}")
-        ev = evaluate_config(tables, cfg, batch_size, b, checkpointing)
-        if ev.fits and (best is None or ev.step_us < best.step_us):
-            best = ev
+        for shares in SHARES if v > 1 else ("even",):  # [Note: chunk shares] in tables.py
+            cfg = Config(replicas, (len(b) - 1) // v, micro_batches, schedule, lay, shares)
+            why = check_config(cfg, n, cluster.world_size, batch_size)
+            if why is not None:
+                raise ConfigError(f"invalid configuration: {why}")
+            ev = evaluate_config(tables, cfg, batch_size, b, checkpointing)
+            if ev.fits and (best is None or ev.step_us < best.step_us):
+                best = ev
     return best
 
 

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 from lightning_autopart.partition.bounds import Relaxation
+from lightning_autopart.partition.configs import SHARES
 from lightning_autopart.partition.cost import (
     CHUNKS,
     INF,
@@ -175,7 +176,8 @@ def enumerate_configs(
                     if nv > n:
                         continue
                     valid += 1
-                    if total_static > s * usable or v * one_block > tables.cap:
+                    # a chunk's share of its device is not known here ([Note: chunk shares]): at most all of it
+                    if total_static > s * usable or one_block > tables.cap:
                         infeasible += 1
                         continue
                     k = v * mb + s - 1
@@ -204,6 +206,16 @@ def _layouts(cfg_s: int, r: int, devices_per_node: int) -> list[str]:
     return list(pats.values())
 
 
+def _splits(cfg: Config) -> list[Config]:
+    """``cfg`` with every split of a rank's device among its chunks ([Note: chunk shares] in tables.py)."""
+    return [replace(cfg, shares=sh) for sh in (SHARES if cfg.chunks > 1 else ("even",))]
+
+
+def _layouts_of(cfg: Config, devices_per_node: int) -> list[Config]:
+    """``cfg`` in every rank layout with distinct links."""
+    return [replace(cfg, layout=lay) for lay in _layouts(cfg.stages, cfg.replicas, devices_per_node)]
+
+
 def search(tables: CostTables, batch: int, cons: Constraints) -> SearchResult:
     """Find the configuration and partition with the smallest step time (see the module docstring)."""
     t0 = time.perf_counter()
@@ -218,34 +230,32 @@ def search(tables: CostTables, batch: int, cons: Constraints) -> SearchResult:
             res.pruned_bound = len(entries) + 1
             break
         sched = cons.schedules[si]
-        relax = Relaxation(tables, Config(r, s, mb, sched), batch, cons.checkpointing)
-        if inc is None:
-            if relax.bands(INF) is None:
-                res.infeasible += 1
+        for base in _splits(Config(r, s, mb, sched)):
+            relax = Relaxation(tables, base, batch, cons.checkpointing)  # every layout alike
+            if inc is None:
+                if relax.bands(INF) is None:
+                    res.infeasible += 1
+                    continue
+                # Seed the incumbent with the greedy partition at the relaxation's optimum, scored exactly.
+                _, part = relax.lower_bound()
+                if part is not None:
+                    for cfg in _layouts_of(base, dpn):
+                        ev = evaluate_config(tables, cfg, batch, part, cons.checkpointing)
+                        if ev.fits and _better(ev, inc):
+                            inc = ev
+            tau = inc.step_us if inc is not None else INF
+            if relax.bands(tau) is None:
+                res.pruned_relaxation += 1
                 continue
-            # Seed the incumbent with the greedy partition at the relaxation's optimum, scored exactly.
-            _, part = relax.lower_bound()
-            if part is not None:
-                for lay in _layouts(s, r, dpn):
-                    ev = evaluate_config(
-                        tables, Config(r, s, mb, sched, lay), batch, part, cons.checkpointing
-                    )
-                    if ev.fits and _better(ev, inc):
-                        inc = ev
-        tau = inc.step_us if inc is not None else INF
-        if relax.bands(tau) is None:
-            res.pruned_relaxation += 1
-            continue
-        for lay in _layouts(s, r, dpn):
-            cfg = Config(r, s, mb, sched, lay)
-            cc = config_costs(tables, cfg, batch, cons.checkpointing)
-            res.evaluated += 1
-            got = solve(tables, cc, inc.step_us if inc is not None else INF, relax)
-            if got is None:
-                continue
-            ev = evaluate_config(tables, cfg, batch, got[1], cons.checkpointing)
-            if ev.fits and _better(ev, inc):
-                inc = ev
+            for cfg in _layouts_of(base, dpn):
+                cc = config_costs(tables, cfg, batch, cons.checkpointing)
+                res.evaluated += 1
+                got = solve(tables, cc, inc.step_us if inc is not None else INF, relax)
+                if got is None:
+                    continue
+                ev = evaluate_config(tables, cfg, batch, got[1], cons.checkpointing)
+                if ev.fits and _better(ev, inc):
+                    inc = ev
     res.best = inc
     res.seconds = time.perf_counter() - t0
     return res

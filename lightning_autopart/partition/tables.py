@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.partition.configs import Config, chunk_counts
 from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.optimizers import optimizer_state_factor, optimizer_transient_factor
 from lightning_autopart.profile.records import ModelProfile, cost_at
@@ -183,6 +184,7 @@ class CostTables:
         self._fb: dict[tuple[int, bool], list[float]] = {}
         self._pb_acc: dict[tuple[int, float], list[float]] = {}
         self._mem: dict[tuple[int, int, int, bool], list[int]] = {}
+        self._limits: dict[tuple[int, int, int, int], list[int]] = {}
         self._p2p: dict[tuple[int, bool], list[float]] = {}
 
     def at(self, m: int) -> SizeTables:
@@ -262,6 +264,41 @@ class CostTables:
             k = 2 if recompute else 1
             got = [k * f + b for f, b in zip(pf, pb, strict=True)]
             self._fb[(m, recompute)] = got
+        return got
+
+    def limits(self, cfg: Config, m: int) -> list[int]:
+        """Per virtual stage: the bytes it may use, a share of its rank's device.
+
+        [Note: chunk shares] The DP judges each stage alone, so an interleaved rank's device is split among its
+        chunks before the partition is known; the shares add up to the device, so chunks that fit their shares
+        fit together. The search tries two splits (``Config.shares``): ``even``, and ``in-flight``, in
+        proportion to what an average stage's state and messages plus its chunk's most micro-batches in flight
+        times an average stage's activations would hold. A rank's first chunk holds the most micro-batches (8 to
+        the second's 1 on an 8-rank pipeline's last rank, [Note: interleaved in flight]) and gets the larger
+        share there; a last chunk holding a large head (a tied embedding's copy) may need the even split. One
+        chunk per rank: the whole device.
+        """
+        v, s, mb = cfg.chunks, cfg.stages, cfg.micro_batches
+        if v == 1:
+            return [self.cap] * s
+        if cfg.shares == "even":
+            return [self.cap // v] * (s * v)
+        got = self._limits.get((s, mb, v, m))
+        if got is None:
+            at, nv = self.at(m), s * v
+            inner = at.cuts[:-1]
+            base = self.static[-1] / nv + 2 * cfg.messages * (sum(inner) / len(inner) if inner else 0.0)
+            act = at.acts[-1] / nv
+            got = [0] * nv
+            for p, counts in enumerate(chunk_counts(s, mb, v)):
+                want = [base + n * act for n in counts]
+                total = sum(want)
+                given = 0
+                for c in range(v - 1):
+                    got[p + c * s] = share = int(self.cap * want[c] / total) if total > 0 else self.cap // v
+                    given += share
+                got[p + (v - 1) * s] = self.cap - given
+            self._limits[(s, mb, v, m)] = got
         return got
 
     def memory_prefix(self, m: int, v: int, held: int, fresh: bool = False) -> list[int]:

@@ -12,6 +12,7 @@ from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import PlanError
 from lightning_autopart.partition import partition
 from lightning_autopart.partition.bounds import Relaxation
+from lightning_autopart.partition.configs import SHARES
 from lightning_autopart.partition.cost import (
     INF,
     Config,
@@ -62,8 +63,8 @@ def brute_force(
                     if not _valid(sched, s, r, mb, n, world):
                         continue
                     v = 2 if sched == "Interleaved1F1B" else 1
-                    for lay in LAYOUTS:
-                        cfg = Config(r, s, mb, sched, lay)
+                    for lay, shares in itertools.product(LAYOUTS, SHARES if v > 1 else ("even",)):
+                        cfg = Config(r, s, mb, sched, lay, shares)
                         cc = config_costs(tables, cfg, batch, checkpointing)
                         memo: dict[tuple[int, int, int], tuple[bool, float]] = {}
                         for bounds in _compositions(n, s * v):

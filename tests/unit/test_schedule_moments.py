@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from lightning_autopart.cluster import Cluster
-from lightning_autopart.partition.configs import in_flight, interleaved_moments
-from lightning_autopart.partition.cost import Config, CostTables
+from lightning_autopart.partition.configs import SHARES, in_flight, interleaved_moments
+from lightning_autopart.partition.cost import Config, CostTables, StageCost
 from lightning_autopart.partition.scoring import evaluate_config
 from lightning_autopart.profile.records import BlockProfile, ModelProfile
 
@@ -95,14 +96,15 @@ def _replay(parts: list, stages: int, micro_batches: int, rank: int) -> int:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize(("stages", "micro_batches"), [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8)])
-def test_a_rank_s_chunks_add_up_to_its_replayed_peak(seed: int, stages: int, micro_batches: int) -> None:
+@pytest.mark.parametrize("shares", SHARES)
+def test_a_rank_s_chunks_add_up_to_its_replayed_peak(seed: int, stages: int, micro_batches: int, shares: str) -> None:
     prof = _profile(seed, 2 * stages + 3)
     cluster = Cluster(
         nodes=1, devices_per_node=4, device_memory_bytes=10**5 * (1 + seed % 3), intra_node_bw=1e6,
         inter_node_bw=1e5, intra_allreduce_bw=1e3, inter_allreduce_bw=1e2, latency_us=5.0, memory_reserve=0.0,
     )  # fmt: skip
     tables = CostTables(prof, cluster)
-    cfg = Config(1, stages, micro_batches, "Interleaved1F1B")
+    cfg = Config(1, stages, micro_batches, "Interleaved1F1B", shares=shares)
     rnd = random.Random(seed)
     cuts = sorted(rnd.sample(range(1, len(prof.blocks)), 2 * stages - 1))
     ev = evaluate_config(tables, cfg, 2 * micro_batches, (0, *cuts, len(prof.blocks)))
@@ -119,7 +121,10 @@ def test_a_rank_s_chunks_add_up_to_its_replayed_peak(seed: int, stages: int, mic
                 + sc.activation_bytes + sc.transient_bytes
             )  # fmt: skip
             assert sc.bound_bytes >= sc.memory_bytes
-            assert sc.fits == (2 * sc.bound_bytes <= tables.usable)
+            assert sc.fits == (sc.bound_bytes <= sc.limit_bytes)
+        # the chunks' shares add up to the device, the first chunk (most in flight) taking the larger
+        assert sum(sc.limit_bytes for sc in chunks) == tables.usable
+        assert chunks[0].limit_bytes >= chunks[1].limit_bytes
         per_rank.append(peak)
     assert ev.peak_memory_bytes == max(per_rank)
 
@@ -133,3 +138,34 @@ def test_one_chunk_schedules_keep_their_own_memory() -> None:
     ev = evaluate_config(CostTables(prof, cluster), Config(1, 2, 4, "1F1B"), 8, (0, 2, 5))
     assert all(s.parts is None and s.bound_bytes == s.memory_bytes for s in ev.stages)
     assert [s.in_flight for s in ev.stages] == [2, 1]
+
+
+def test_the_chunk_holding_more_gets_the_larger_share() -> None:
+    # 4 ranks x 2 chunks, 8 micro-batches, 8 equal blocks: the last rank holds 5 micro-batches of its first chunk
+    # and 1 of its second. The device is sized so that every chunk fits its share, and some first chunk alone
+    # needs more than half of it: an equal split would refuse the plan.
+    block = _profile(1, 1).blocks[0]
+    blocks = tuple(replace(block, name=f"b{k}", modules=(f"b{k}",)) for k in range(8))
+    prof = ModelProfile("Even", blocks, 2, 300, meta={"batch_bytes": 500.0})
+
+    def stages(memory: int, shares: str = "in-flight") -> tuple[tuple[StageCost, ...], bool]:
+        cluster = Cluster(
+            nodes=1, devices_per_node=4, device_memory_bytes=memory, intra_node_bw=1e6, inter_node_bw=1e5,
+            intra_allreduce_bw=1e3, inter_allreduce_bw=1e2, latency_us=5.0, memory_reserve=0.0,
+        )  # fmt: skip
+        cfg = Config(1, 4, 8, "Interleaved1F1B", shares=shares)
+        ev = evaluate_config(CostTables(prof, cluster), cfg, 16, tuple(range(9)))
+        return ev.stages, ev.fits
+
+    big = 10**12
+    wide, _ = stages(big)
+    assert [in_flight("Interleaved1F1B", 4, 3, 8, c) for c in (0, 1)] == [5, 1]
+    assert wide[3].limit_bytes > wide[7].limit_bytes
+    memory = max(int(s.bound_bytes * big / s.limit_bytes) for s in wide) + 64
+    tight, fits = stages(memory)
+    assert fits
+    assert all(s.bound_bytes <= s.limit_bytes for s in tight)
+    assert max(s.bound_bytes for s in tight) > memory // 2
+    assert not any(s.checkpoint for s in tight)
+    even, fits = stages(memory, "even")  # half each: refused, or some chunk recomputes its activations
+    assert not fits or any(s.checkpoint for s in even)
