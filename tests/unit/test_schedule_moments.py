@@ -1,4 +1,4 @@
-"""An interleaved rank's micro-batches in flight, read off torch's own schedule, and its chunks' share of its peak."""
+"""An interleaved rank's micro-batches in flight, from torch's own schedule, and its chunks' shares of its peak."""
 
 from __future__ import annotations
 
@@ -97,7 +97,9 @@ def _replay(parts: list, stages: int, micro_batches: int, rank: int) -> int:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize(("stages", "micro_batches"), [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8)])
 @pytest.mark.parametrize("shares", SHARES)
-def test_a_rank_s_chunks_add_up_to_its_replayed_peak(seed: int, stages: int, micro_batches: int, shares: str) -> None:
+def test_a_rank_s_chunks_add_up_to_its_replayed_peak(
+    seed: int, stages: int, micro_batches: int, shares: str
+) -> None:
     prof = _profile(seed, 2 * stages + 3)
     cluster = Cluster(
         nodes=1, devices_per_node=4, device_memory_bytes=10**5 * (1 + seed % 3), intra_node_bw=1e6,
