@@ -9,13 +9,27 @@ from functools import lru_cache
 from lightning_autopart.partition.placement import LAYOUTS
 from lightning_autopart.plan import SCHEDULES
 
-__all__ = ["CHUNKS", "SHARES", "Config", "check_config", "chunk_counts", "in_flight", "interleaved_moments"]
+__all__ = [
+    "CHUNKS",
+    "SHARES",
+    "Config",
+    "check_config",
+    "chunk_counts",
+    "in_flight",
+    "interleaved_moments",
+    "shares_for",
+]
 
 #: Model chunks per rank for each schedule.
 CHUNKS = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 #: How a rank's device is split among its chunks ([Note: chunk shares] in tables.py): equally, or in proportion
 #: to what an average chunk with the chunk's in-flight micro-batches holds.
 SHARES = ("even", "in-flight")
+
+
+def shares_for(chunks: int) -> tuple[str, ...]:
+    """The splits worth trying with ``chunks`` per rank: one chunk takes the whole device."""
+    return SHARES if chunks > 1 else ("even",)
 
 
 @dataclass(frozen=True, slots=True)

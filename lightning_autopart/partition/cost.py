@@ -330,7 +330,8 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     d_off = min(a_sum, grad, top) if cc.fresh[k] else 0
     d_on = min(at.stage_input[i], grad, top) if cc.fresh[k] else 0
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
-    held = cc.batch + cc.messages * (at.recv[i] + at.send[j])
+    sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
+    held = cc.batch + cc.messages * sent
     q_run = infl * cc.held[j]
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
@@ -365,7 +366,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         data, w = cc.data_floor - w, cc.data_floor
     buf = tables.buffers[j] - tables.buffers[i]
     unit, kept = (at.stage_input[i], at.stage_input[i]) if ck else (a_sum, at.alias[i])  # per micro-batch
-    sent = at.recv[i] + at.send[j]
     return StageCost(
         index=k,
         block_start=i,
@@ -394,6 +394,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         io_bytes=held + q,
         bound_bytes=mem,
         parts=None if v == 1 else ChunkParts(
-            st, held - (mb - 1) * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y
+            st, cc.batch + mb * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y
         ),
     )

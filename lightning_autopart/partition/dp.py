@@ -57,7 +57,7 @@ def solve(
     sh = at.shared
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
-    batch, mb, capped = cc.batch, cc.messages, cc.capped
+    batch, msg, capped = cc.batch, cc.messages, cc.capped
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
@@ -82,7 +82,7 @@ def solve(
             pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
             hfbj, hfj = hfb[j], hf[j]
             # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
-            pj, qj = batch + mb * sd[j], infl * hd[j]
+            pj, qj = batch + msg * sd[j], infl * hd[j]
             ilo = max(plo, start(j, room, k))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -111,7 +111,7 @@ def solve(
                 else:
                     d_off = d_on = 0
                 h = host + (hfbj - hfb[i])
-                st += pj + mb * rv[i]
+                st += pj + msg * rv[i]
                 if st + max(x + infl * a_sum - d_off + qj - infl * al[i], y) <= cap:
                     comp = fb
                 elif ck and st + max(x + a_sum - d_on + qj, y) <= cap:
@@ -189,7 +189,7 @@ def solve_memory(
     sh = at.shared
     pg, yf = tables.grads, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
-    batch, mb, capped = cc.batch, cc.messages, cc.capped
+    batch, msg, capped = cc.batch, cc.messages, cc.capped
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
@@ -224,7 +224,7 @@ def solve_memory(
                 units = infl * a_sum - (min(a_sum, gr, bound) if fresh else 0) + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum - (min(cin[i], gr, bound) if fresh else 0) + q)
-                st += batch + mb * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
+                st += batch + msg * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
                 w = (st + max(units + x, int(gr * yf))) / lim
                 if w < pv:
                     w = pv

@@ -23,7 +23,7 @@ from itertools import pairwise
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.partition.configs import SHARES, interleaved_moments
+from lightning_autopart.partition.configs import interleaved_moments, shares_for
 from lightning_autopart.partition.cost import (
     CHUNKS,
     Config,
@@ -112,7 +112,7 @@ def evaluate(
         raise ConfigError(f"{schedule} needs a multiple of {v} stages, got {len(b) - 1}")
     best: Evaluation | None = None
     for lay in (layout,) if layout is not None else LAYOUTS:
-        for shares in SHARES if v > 1 else ("even",):  # [Note: chunk shares] in tables.py
+        for shares in shares_for(v):  # [Note: chunk shares] in tables.py
             cfg = Config(replicas, (len(b) - 1) // v, micro_batches, schedule, lay, shares)
             why = check_config(cfg, n, cluster.world_size, batch_size)
             if why is not None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from itertools import pairwise
 
 from lightning_autopart.partition.bounds import Relaxation
-from lightning_autopart.partition.configs import SHARES
+from lightning_autopart.partition.configs import shares_for
 from lightning_autopart.partition.cost import (
     CHUNKS,
     INF,
@@ -208,7 +208,7 @@ def _layouts(cfg_s: int, r: int, devices_per_node: int) -> list[str]:
 
 def _splits(cfg: Config) -> list[Config]:
     """``cfg`` with every split of a rank's device among its chunks ([Note: chunk shares] in tables.py)."""
-    return [replace(cfg, shares=sh) for sh in (SHARES if cfg.chunks > 1 else ("even",))]
+    return [replace(cfg, shares=sh) for sh in shares_for(cfg.chunks)]
 
 
 def _layouts_of(cfg: Config, devices_per_node: int) -> list[Config]:
