@@ -50,7 +50,7 @@ def eval_programs(
             return "its operations fall into other blocks"
     nodes_of = group_members(group, ops, len(train[3]))
     outputs = list(next(n for n in reversed(ep.graph.nodes) if n.op == "output").args[0])
-    interface, programs = split_programs(nodes_of, attrs, outputs, home, ModeSwitch(module))
+    interface, programs = split_programs(nodes_of, attrs, outputs, home, ModeSwitch(module, traced=False))
     wanted = _wiring(*train[:3])
     _reorder_inputs(_refs(user_inputs, interface), interface, programs, wanted[0])
     if _wiring(user_inputs, interface, outputs) != wanted:

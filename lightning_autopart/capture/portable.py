@@ -22,7 +22,9 @@ torch.export's own checks of a tensor's dtype and device (``_assert_tensor_metad
 training mode (so a dropout's probability is the training one), and each such flag becomes a read of the
 ``training`` attribute of the user's module that made the call, when the program runs. Lightning's
 ``model.train()``/``model.eval()`` and a user's own per-module choice (a frozen BatchNorm) then switch the
-pipelined programs as they switch the model. Attention's dropout is the one probability written with the
+pipelined programs as they switch the model. A flag other than the mode of the export is the forward's own
+constant, not ``self.training``, and stays (``F.batch_norm(x, mean, var, training=False)`` in a training
+forward: frozen statistics). Attention's dropout is the one probability written with the
 mode: Hugging Face and ``nn.MultiheadAttention`` pass ``dropout_p=p if self.training else 0.0`` to
 ``scaled_dot_product_attention``, so a nonzero ``dropout_p`` becomes ``p`` in training and 0 in evaluation,
 read the same way. (A forward that keeps attention dropout in evaluation is told apart by the
@@ -79,8 +81,10 @@ class ModeSwitch:
     Copies of a program (the profiler's) share it: deep-copying returns the same switch, never the model.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, traced: bool = True) -> None:
         self._root = root
+        #: The mode the programs were exported in: a flag equal to it is ``self.training``.
+        self.traced = traced
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModeSwitch:
         return self
@@ -125,14 +129,17 @@ def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:
         dropout = attention_dropout(node)
         if position is None and not dropout:
             continue
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        fqn = stack[-1][0] if stack else ""
+        written = node.args[position] if position is not None else None
+        if isinstance(written, bool) and written is not switch.traced:
+            continue  # the forward wrote the flag itself: F.batch_norm(..., training=False) in training stays
         if holder is None:
             first_op = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
             with graph.inserting_before(first_op), warnings.catch_warnings():
                 # fx warns of a get_attr target that is no module, parameter or buffer: the switch is none.
                 warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
                 holder = graph.get_attr(MODES_ATTRIBUTE)
-        stack = list(node.meta.get("nn_module_stack", {}).values())
-        fqn = stack[-1][0] if stack else ""
         if position is None:  # attention's dropout probability
             with graph.inserting_before(node):
                 p = graph.call_method("dropout", (holder, fqn, dropout))

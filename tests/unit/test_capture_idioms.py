@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -255,6 +256,37 @@ def test_stages_follow_the_models_train_and_eval_modes() -> None:
             torch.testing.assert_close(out, twin(image), msg=mode)
         for (name, a), b in zip(net.named_buffers(), twin.buffers(), strict=True):
             torch.testing.assert_close(a, b, msg=f"{mode}: {name}")  # running stats and batch counts moved alike
+
+
+class _FrozenStatistics(nn.Module):
+    """A forward that writes the mode flags itself: running statistics only (frozen, never updated) and a
+    dropout of its own choice, whatever the module's mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mean", torch.randn(4))
+        self.register_buffer("var", torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.batch_norm(self.lin(x), self.mean, self.var, training=False)
+        return F.dropout(x, 0.5, training=False) + F.dropout(x, 0.5, training=self.training)
+
+
+def test_flags_the_forward_writes_itself_stay() -> None:
+    """Only a flag equal to its module's mode at capture is ``self.training``: a ``training=False`` written in a
+    training forward stays False (before, the batch norm normalized by the batch and moved the frozen
+    statistics)."""
+    model, x = _FrozenStatistics(), torch.randn(8, 4)
+    twin = copy.deepcopy(model)
+    captured = capture(model, x)
+    for training in (True, False):
+        model.train(training), twin.train(training)
+        torch.manual_seed(5)
+        (out,) = _run_stages(captured, [x], [0, captured.num_blocks])
+        torch.manual_seed(5)
+        torch.testing.assert_close(out, twin(x), msg=f"training={training}")
+        torch.testing.assert_close(model.mean, twin.mean)  # never updated
 
 
 def test_what_capture_gives_up_is_noted_with_the_fix() -> None:
