@@ -73,6 +73,7 @@ def profile_model(
     ("32-true", "bf16-mixed", "16-mixed", "bf16-true", ...; default: the parameters' dtype).
     """
     from lightning_autopart.capture import capture as capture_model
+    from lightning_autopart.capture.batch_stats import batch_statistics
     from lightning_autopart.profile import profile as profile_blocks
     from lightning_autopart.profile.curves import (
         add_loss,
@@ -96,6 +97,8 @@ def profile_model(
     _mark_dead_outputs(captured, reads)
     b0 = captured.batch_size
     notes: dict[str, Any] = {"capture_notes": list(captured.notes)} if captured.notes else {}
+    if stats := batch_statistics(captured):  # [Note: batch statistics]: the plan says so
+        notes["batch_statistics"] = list(stats)
     settings: dict[str, Any] = {"mode": profile, "spec": spec, "optimizer": optimizer, "dtype": dtype}
     outputs: dict[int, Any] = {}
     if profile == "estimate" and up_to is not None:

@@ -212,6 +212,8 @@ def plan_for_batch(
         from lightning_autopart.plan.report import print_plan
 
         print_plan(plan)
+        if isinstance(note := plan.notes.get("batch_statistics"), str):  # [Note: batch statistics]
+            warnings.warn(f"autopart: {note}", stacklevel=2)
         if loaded is not None:
             print(loaded_message(loaded), flush=True)
         if settings.save_plan:

@@ -13,7 +13,7 @@ from lightning_autopart.plan import Plan, Prediction, StagePlan
 from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.records import ModelProfile
 
-__all__ = ["build_plan", "infeasible_error", "memory_table"]
+__all__ = ["batch_statistics_note", "build_plan", "infeasible_error", "memory_table"]
 
 #: Rows of the memory table shown before eliding the rest.
 _MAX_ROWS = 24
@@ -96,6 +96,8 @@ def build_plan(
         notes["loader"] = f"{loader.sample_us / 1e3:.3g} ms/sample, {loader.workers} workers, reads back {reads}"
     if profile.mode == "estimate" and profile.meta.get("opaque_ops"):  # priced by their bytes alone
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
+    if mb > 1 and (norms := profile.meta.get("batch_statistics")):
+        notes["batch_statistics"] = batch_statistics_note(norms, batch_size // (cfg.replicas * mb), mb)
     if ckpt:
         notes["checkpointing"] = (
             f"{len(ckpt)} of {len(ev.stages)} stages ({_ranges(ckpt)}) recompute activations in backward: "
@@ -118,6 +120,21 @@ def build_plan(
         device=profile.device,
         layout=cfg.layout,
         notes=notes,
+    )
+
+
+def batch_statistics_note(norms: list[str], samples: int, micro_batches: int) -> str:
+    """What a pipeline changes in a model that normalizes over the batch ([Note: batch statistics] in
+    capture/batch_stats.py), and the fix."""
+    named = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
+    one = len(norms) == 1
+    return (
+        f"{len(norms)} batch norm{'' if one else 's'} ({named}) normalize{'s' if one else ''} each micro-batch "
+        f"of {samples} sample{'s' if samples != 1 else ''} on its own, not the replica's "
+        f"{samples * micro_batches}, and update{'s' if one else ''} running statistics {micro_batches} times a "
+        "step: training differs from plain Lightning. "
+        "To train the same, pass micro_batches=1 (no overlap between stages), or normalize per sample "
+        "(GroupNorm, LayerNorm)"
     )
 
 
