@@ -61,7 +61,8 @@ drops them before its first forward (the strategy's ``training_step``), so there
 
 - the replica's whole batch, labels too (``B/r`` samples of ``batch_bytes``, at least the model's inputs):
   Lightning moves it to every rank's device and it lives through the step; the first stage's micro-batches
-  are views of it (interleaved chunks share it: ``/ v``);
+  are views of it. An interleaved rank holds it once: its first chunk counts it (``first``), the others none
+  (their saved inputs are views of their receive buffers);
 - torch.distributed.pipelining's receive buffers, made at the first step, one per micro-batch, and kept: the
   activations into a stage after the first (``recv_i = c_{i-1}``) and the gradients into a stage before the
   last (``send_j = c_{j-1}``; every value crossing a cut gets one, see [Note: wire format] in runtime/wire.py);
@@ -72,20 +73,20 @@ drops them before its first forward (the strategy's ``training_step``), so there
 The activations count some of it already: what block ``i`` saves of its input (``alias_i``) is the receive
 buffer or the batch, and so is every input a checkpointed stage keeps. So::
 
-    P = max(ceil(batch_bytes * (B/r) / v), M * c_{-1}) + msg * (recv_i + send_j)
+    P = [first] max(batch_bytes * (B/r), M * c_{-1}) + msg * (recv_i + send_j)
     Q_off = in_flight * (held_j - alias_i),   Q_on = in_flight * (held_j - c_{i-1}),   P + Q >= 0
 
 with ``msg = M``, or ``2M - 1`` under Interleaved1F1B: torch's runtime for several chunks per rank waits on its
 sends only at the step's end, so each finished micro-batch's output and input gradient stay until then (a
 chunk judged alone counts ``M - 1`` of them; its rank's peak counts those finished by then, [Note: a rank's
-chunks] in scoring.py). Interleaved: 1.16-1.17 of each rank's measured peak before the schedule's own order and
-these sends were priced, 1.01-1.02 since (``--cases Interleaved1F1B:4``).
+chunks] in scoring.py). Interleaved: 1.16-1.17 of each rank's measured peak before, 1.01-1.02 since.
 
 Each rank's measured step peak against its stage's predicted memory, 2-stage MLP on 2 gloo ranks
 (``bench/pipeline_peak.py``): 0.93-0.97 under 1F1B and 1.08-1.10 under GPipe without them (and with ``D``
 capped by ``X``); 1.01-1.02 with them, and 0.985-1.00 on a Llama and a GPT-2 (``--model``). The floor
-``M * c_{-1}`` (every micro-batch's input) keeps ``P + Q >= 0`` where interleaved chunks split the batch,
-which the search's memory bounds need.
+``M * c_{-1}`` (every micro-batch's input) keeps ``P + Q >= 0``, which the search's memory bounds need.
+Counting the batch once per rank, not ``1/v`` per chunk above that floor, took the measured peaks of vision
+models' interleaved ranks from 0.74-0.97 of the prediction to 0.94-1.02 (``bench/pipeline_sweep.py``).
 
 and the step time of a partition is ``T = max over virtual stages of w`` (a synchronous clock: every tick lasts
 as long as the slowest stage; a stage's all-reduce follows its last backward, its optimizer step follows that).
@@ -202,8 +203,8 @@ class ConfigCosts:
     #: Whether backward's transient bounds the fresh gradients' saving (``D``): plain Lightning's step keeps
     #: last step's gradients through the forward; a pipelined step drops them first.
     capped: bool = True
-    #: Bytes of the replica's batch each chunk holds (``P``, see [Note: pipeline buffers]).
-    batch: int = 0
+    #: Per virtual stage: the replica's batch bytes it holds (``P``): all on a rank's first chunk, none after.
+    batch: list[int] = field(default_factory=list)
     #: ``held_j`` per boundary: a single stage runs no schedule, which would keep the model's outputs.
     held: list[int] = field(default_factory=list)
     #: Micro-batches of each cut a chunk's messages keep: its receive buffers, and under Interleaved1F1B the
@@ -234,7 +235,8 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.messages = cfg.messages
     cc.limit = tables.limits(cfg, m)
     # at least every micro-batch's input, which the first stage's in-flight inputs (Q) are views of
-    cc.batch = max(-(-int(tables.batch_per_sample * (batch_size // r)) // v), cfg.micro_batches * at.stage_input[0])
+    whole = max(int(tables.batch_per_sample * (batch_size // r)), cfg.micro_batches * at.stage_input[0])
+    cc.batch = [whole if k < s else 0 for k in range(s * v)]
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
     fetch, q, cc.data_floor = tables.loader_us(batch_size // r)
     cc.data, cc.data_open, cc.data_share = q * fetch, (fetch if q < 1 else 0.0), 1.0 - q
@@ -331,7 +333,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     d_on = min(at.stage_input[i], grad, top) if cc.fresh[k] else 0
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
     sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
-    held = cc.batch + cc.messages * sent
+    held = cc.batch[k] + cc.messages * sent
     q_run = infl * cc.held[j]
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
@@ -394,6 +396,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         io_bytes=held + q,
         bound_bytes=mem,
         parts=None if v == 1 else ChunkParts(
-            st, cc.batch + mb * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y
+            st, cc.batch[k] + mb * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y
         ),
     )

@@ -72,7 +72,7 @@ def solve(
         k = s - 1
         jlo, jhi = bands[s]
         plo, phi = bands[s - 1]
-        infl, fresh, cap = cc.in_flight[k], cc.fresh[k], cc.limit[k]
+        infl, fresh, cap, bk = cc.in_flight[k], cc.fresh[k], cc.limit[k], batch[k]
         pin, pout = cc.p2p_in[k], cc.p2p_out[k]
         coef, cst = cc.ar_coef[k], cc.ar_const[k]
         cur = [INF] * (n + 1)
@@ -82,7 +82,7 @@ def solve(
             pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
             hfbj, hfj = hfb[j], hf[j]
             # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
-            pj, qj = batch + msg * sd[j], infl * hd[j]
+            pj, qj = bk + msg * sd[j], infl * hd[j]
             ilo = max(plo, start(j, room, k))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -197,7 +197,7 @@ def solve_memory(
     args: list[list[int]] = []
     plo, phi = 0, 0
     for s in range(1, nv + 1):
-        infl, fresh, lim = cc.in_flight[s - 1], cc.fresh[s - 1], cc.limit[s - 1]
+        infl, fresh, lim, bk = cc.in_flight[s - 1], cc.fresh[s - 1], cc.limit[s - 1], batch[s - 1]
         cur = [INF] * (n + 1)
         arg = [-1] * (n + 1)
         first = last = -1
@@ -224,7 +224,7 @@ def solve_memory(
                 units = infl * a_sum - (min(a_sum, gr, bound) if fresh else 0) + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum - (min(cin[i], gr, bound) if fresh else 0) + q)
-                st += batch + msg * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
+                st += bk + msg * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
                 w = (st + max(units + x, int(gr * yf))) / lim
                 if w < pv:
                     w = pv

@@ -273,7 +273,7 @@ class CostTables:
         chunks before the partition is known; the shares add up to the device, so chunks that fit their shares
         fit together. The search tries two splits (``Config.shares``): ``even``, and ``in-flight``, in
         proportion to what an average stage's state and messages plus its chunk's most micro-batches in flight
-        times an average stage's activations would hold. A rank's first chunk holds the most micro-batches (8 to
+        times an average stage's activations would hold, the batch on the first chunk. A rank's first chunk holds the most micro-batches (8 to
         the second's 1 on an 8-rank pipeline's last rank, [Note: interleaved in flight]) and gets the larger
         share there; a last chunk holding a large head (a tied embedding's copy) may need the even split. One
         chunk per rank: the whole device.
@@ -290,8 +290,9 @@ class CostTables:
             base = self.static[-1] / nv + 2 * cfg.messages * (sum(inner) / len(inner) if inner else 0.0)
             act = at.acts[-1] / nv
             got = [0] * nv
+            whole = max(self.batch_per_sample * m * mb, mb * at.stage_input[0])  # a rank's first chunk holds it
             for p, counts in enumerate(chunk_counts(s, mb, v)):
-                want = [base + n * act for n in counts]
+                want = [base + n * act + (whole if c == 0 else 0.0) for c, n in enumerate(counts)]
                 total = sum(want)
                 given = 0
                 for c in range(v - 1):

@@ -177,12 +177,16 @@ def test_interleaved_chunks_and_step_time() -> None:
     assert ev.stages[1].term_us == pytest.approx(5 * (90 + 205 + 105))
     assert [s.index % 2 for s in ev.stages] == [0, 1, 0, 1]
     # Each chunk must fit in its share of the device ([Note: chunk shares]): half, or by in-flight micro-batches
-    # (rank 0 holds 2 of each chunk, half each; rank 1 holds 2 of its first and 1 of its second, which gets less).
+    # (rank 0 holds 2 of each chunk; rank 1 holds 2 of its first and 1 of its second; each rank's first chunk
+    # holds the batch too: the first gets more).
     assert all(s.limit_bytes == tables.usable // 2 for s in ev.stages)
     by = evaluate_config(tables, dataclasses.replace(cfg, shares="in-flight"), 2, (0, 1, 2, 3, 4)).stages
-    assert by[0].limit_bytes == by[2].limit_bytes == tables.usable // 2
-    assert by[1].limit_bytes > by[3].limit_bytes
-    assert by[1].limit_bytes + by[3].limit_bytes == tables.usable
+    assert by[0].limit_bytes > by[2].limit_bytes and by[1].limit_bytes > by[3].limit_bytes
+    assert by[0].limit_bytes + by[2].limit_bytes == by[1].limit_bytes + by[3].limit_bytes == tables.usable
+    # The batch is held once per rank, by its first chunk.
+    assert [s.io_bytes > 0 for s in ev.stages] == [True, True, True, True]
+    assert ev.stages[0].parts is not None and ev.stages[2].parts is not None
+    assert ev.stages[2].parts.io == 2 * (ev.stages[2].parts.sent)  # M = 2 receive and send buffers, no batch
     # The rank holding chunks 0 and 2 adds both chunks' memory.
     assert ev.peak_memory_bytes == max(
         ev.stages[0].memory_bytes + ev.stages[2].memory_bytes,
