@@ -1,7 +1,7 @@
 """Hugging Face architectures beyond the test tier, pipelined for real: each trained under AutoPartitionStrategy
 on 2 gloo ranks (2 stages, 4 micro-batches) against plain one-process Lightning on the same batches.
 
-Usage: ``python bench/pipeline_sweep.py [--schedules 1F1B Interleaved1F1B] [NAME ...]`` (default: every
+Usage: ``python bench/pipeline_sweep.py [--schedules 1F1B Interleaved1F1B] [--parts] [-- NAME ...]`` (default: every
 architecture of tests/hf_architectures.py and bench/hf_sweep.py). Configs only (random weights, dropout off,
 nothing downloaded). The step is generic (the mean square of the model's first output, as a user's own loss
 on logits would read it). Per architecture and schedule it prints the largest relative difference of the
@@ -159,7 +159,7 @@ def worker(cases_path: str, out: str, first: int) -> None:
     end_job()
 
 
-def _compare(case: dict[str, Any], ranks: dict[int, Any]) -> str:
+def _compare(case: dict[str, Any], ranks: dict[int, Any], parts: bool = False) -> str:
     errors = {r: got["error"].strip().splitlines()[-1] for r, got in ranks.items() if "error" in got}
     if errors:
         return f"FAILED {errors}"
@@ -172,11 +172,11 @@ def _compare(case: dict[str, Any], ranks: dict[int, Any]) -> str:
             want = ref[n].detach()  # a key bias's gradient is rounding noise (softmax ignores a shared shift)
             d = float((p - want).norm() / (want.norm() + 1e-6 * want.numel() ** 0.5))
             worst = max(worst, d)
-    if os.environ.get("SWEEP_PARTS"):
+    if parts:  # each rank's stages as the plan prices them
         for r, got in sorted(ranks.items()):
             print(f"rank {r} peak {got['peak']}", *got["parts"], sep="\n  ")
     peaks = ", ".join(f"{got['peak'] / got['predicted']:.3f}" for _, got in sorted(ranks.items()))
-    return f"losses {loss_diff:.1e}, params {worst:.1e}, peak/predicted {peaks}"
+    return f"losses {loss_diff:.1e}, params {worst:.1e}, measured/predicted peak {peaks}"
 
 
 def main() -> None:
@@ -187,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*")
     parser.add_argument("--schedules", nargs="+", default=["1F1B", "Interleaved1F1B"])
+    parser.add_argument("--parts", action="store_true", help="print each rank's stages as the plan prices them")
     parser.add_argument("--worker", nargs=3, metavar=("CASES", "OUT", "FIRST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -210,7 +211,7 @@ def main() -> None:
         started = first
         while first < len(cases) and len(done.get(first, {})) == 2:
             case = cases[first]
-            print(f"{case['name']:18s} {case['schedule']:16s} {_compare(case, done[first])}", flush=True)
+            print(f"{case['name']:18s} {case['schedule']:16s} {_compare(case, done[first], args.parts)}", flush=True)
             first += 1
         if first < len(cases) and (first == started or done.get(first)):
             case = cases[first]
