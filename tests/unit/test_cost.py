@@ -209,6 +209,21 @@ def test_tied_parameter_copy_counted_once_per_stage() -> None:
     assert both.param_bytes == 200
 
 
+def test_a_tied_parameter_two_chunks_of_a_rank_use_is_one_tensor_there() -> None:
+    # Rank 0 holds virtual stages 0 (block a, the owner of a.w) and 2 (block c, a copy): one tensor on the rank,
+    # as for ALBERT's one layer in every chunk. Judged alone, chunk 2 still counts its copy.
+    blocks = (*PROFILE.blocks, _block("d", 80.0, 0.0, 800, 50, 60))
+    plain = ModelProfile("Toy4", blocks, 2, 300, optimizer="adam")
+    tied = ModelProfile("Toy4", blocks, 2, 300, tied=(TiedParam("a.w", 40, (0, 2)),), optimizer="adam")
+    cfg, bounds = Config(1, 2, 2, "Interleaved1F1B"), (0, 1, 2, 3, 4)
+    ev = evaluate_config(CostTables(tied, _cluster()), cfg, 2, bounds)
+    ref = evaluate_config(CostTables(plain, _cluster()), cfg, 2, bounds)
+    assert ev.stages[2].param_bytes == ref.stages[2].param_bytes == 60
+    assert ev.stages[2].memory_bytes == ref.stages[2].memory_bytes
+    assert ev.peak_memory_bytes == ref.peak_memory_bytes
+    assert ev.stages[2].bound_bytes == ref.stages[2].bound_bytes + 40 + 40 + 80
+
+
 def test_config_validity_rules() -> None:
     assert check_config(Config(1, 2, 1, "1F1B"), 3, 4, 4) is not None  # M < S
     assert check_config(Config(1, 2, 3, "Interleaved1F1B"), 4, 4, 6) is not None  # M % S
