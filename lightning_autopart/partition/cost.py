@@ -235,7 +235,7 @@ def config_costs(tables: CostTables, cfg: Config, batch_size: int, checkpointing
     cc.messages = cfg.messages
     cc.limit = tables.limits(cfg, m)
     # at least every micro-batch's input, which the first stage's in-flight inputs (Q) are views of
-    whole = max(int(tables.batch_per_sample * (batch_size // r)), cfg.micro_batches * at.stage_input[0])
+    whole = tables.batch_bytes(m, cfg.micro_batches)
     cc.batch = [whole if k < s else 0 for k in range(s * v)]
     cc.host = 2 * cl.action_us if cfg.pipelined else 0.0  # one stage runs its micro-batches in its own loop
     fetch, q, cc.data_floor = tables.loader_us(batch_size // r)

@@ -171,7 +171,7 @@ def _shared_on_rank(
             for c in range(v):
                 sc = out[p + c * s]
                 i, j = sc.block_start, sc.block_end
-                copy = i > tc.owner and tc.next_user[i] < j
+                copy = tc.copied_by(i, j)
                 if copy and held and sc.parts is not None:
                     drop = tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                     out[p + c * s] = replace(

@@ -31,6 +31,10 @@ class TiedCopy:
     #: Optimizer step time of the copy (the owner block's, in proportion to the parameter's bytes).
     optimizer_us: float = 0.0
 
+    def copied_by(self, i: int, j: int) -> bool:
+        """Whether a stage of blocks ``[i, j)`` uses the parameter without its owner block: it keeps a copy."""
+        return i > self.owner and self.next_user[i] < j
+
 
 class RangeMax:
     """The largest of ``values[i:j]`` in O(1) (a sparse table, O(L log L) to build)."""
@@ -290,7 +294,7 @@ class CostTables:
             base = self.static[-1] / nv + 2 * cfg.messages * (sum(inner) / len(inner) if inner else 0.0)
             act = at.acts[-1] / nv
             got = [0] * nv
-            whole = max(self.batch_per_sample * m * mb, mb * at.stage_input[0])  # a rank's first chunk holds it
+            whole = self.batch_bytes(m, mb)  # a rank's first chunk holds it
             for p, counts in enumerate(chunk_counts(s, mb, v)):
                 want = [base + n * act + (whole if c == 0 else 0.0) for c, n in enumerate(counts)]
                 total = sum(want)
@@ -301,6 +305,11 @@ class CostTables:
                 got[p + (v - 1) * s] = self.cap - given
             self._limits[(s, mb, v, m)] = got
         return got
+
+    def batch_bytes(self, m: int, mb: int) -> int:
+        """A replica's batch of ``mb`` micro-batches of ``m`` samples on its device: at least every micro-batch's
+        input ([Note: pipeline buffers] in cost.py)."""
+        return max(int(self.batch_per_sample * m * mb), mb * self.at(m).stage_input[0])
 
     def memory_prefix(self, m: int, v: int, held: int, fresh: bool = False) -> list[int]:
         """Prefix sums of ``v * (static + held * activation_bytes(m))``: a chunk's memory, ``held`` micro-batches
@@ -328,7 +337,7 @@ class CostTables:
         """(param, grad, optimizer bytes, param count) of tied copies held by a stage of blocks ``[i, j)``."""
         p = g = o = n = 0
         for t in self.tied:
-            if i > t.owner and t.next_user[i] < j:
+            if t.copied_by(i, j):
                 p += t.param_bytes
                 g += t.grad_bytes
                 o += t.optimizer_bytes
@@ -337,7 +346,7 @@ class CostTables:
 
     def tied_optimizer_us(self, i: int, j: int) -> float:
         """Optimizer step time of the tied copies a stage of blocks ``[i, j)`` holds."""
-        return sum(t.optimizer_us for t in self.tied if i > t.owner and t.next_user[i] < j)
+        return sum(t.optimizer_us for t in self.tied if t.copied_by(i, j))
 
 
 def _prefix_float(values: list[float]) -> list[float]:
