@@ -67,8 +67,8 @@ drops them before its first forward (the strategy's ``training_step``), so there
   activations into a stage after the first (``recv_i = c_{i-1}``) and the gradients into a stage before the
   last (``send_j = c_{j-1}``; every value crossing a cut gets one, see [Note: wire format] in runtime/wire.py);
 - each in-flight micro-batch's output, which the schedule keeps until its backward (``held_j``: the share
-  of ``c_{j-1}`` block ``j-1`` does not save itself; the last stage's too, the model's outputs: a GPT's
-  logits, which the loss reads but does not save).
+  of ``c_{j-1}`` block ``j-1`` does not save itself); not the last stage's, which the runtime drops once the
+  loss is computed, leaving what the loss saves of it to the loss ([Note: the last stage's outputs]).
 
 The activations count some of it already: what block ``i`` saves of its input (``alias_i``) is the receive
 buffer or the batch, and so is every input a checkpointed stage keeps. So::

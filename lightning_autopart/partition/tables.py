@@ -68,8 +68,9 @@ class SizeTables:
     of blocks ``[i, j)``. Per micro-batch, what the pipeline holds (see [Note: pipeline buffers] in cost.py):
     ``recv[i]``, the receive buffer of a stage starting at block ``i`` (0 for the first: the batch holds its
     input); ``alias[i]``, the part of it block ``i`` saves; ``send[j]``, the receive buffer of the gradient of a
-    stage ending before block ``j`` (0 for the last); ``held[j]``, the part of its output no block saves (the
-    last stage's too: the model's outputs, held until the micro-batch's backward where a schedule runs).
+    stage ending before block ``j`` (0 for the last); ``held[j]``, the part of its output no block saves (0 for
+    the last stage, where the loss is priced: the runtime drops the model's outputs once the loss is computed, see
+    [Note: the last stage's outputs] in runtime/outputs.py; the model's outputs where it is not).
     """
 
     m: int
@@ -207,6 +208,8 @@ class CostTables:
             inputs = [first, *cuts[:-1]]
             inner = [0, *cuts[:-1], 0]  # what crosses the cut before block j, 0 at the model's two ends
             kept = [0, *(round((1.0 - b.saved_output_share) * c) for b, c in zip(blocks, cuts, strict=True))]
+            if self.profile.meta.get("loss_priced"):  # the loss's own saves priced it: the runtime drops the rest
+                kept[-1] = 0
             got = SizeTables(
                 m=m,
                 pf=pf,

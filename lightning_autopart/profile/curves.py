@@ -94,12 +94,14 @@ def add_loss(profile: ModelProfile, losses: Mapping[int, LossCost]) -> ModelProf
     joined = []
     for n, fwd, bwd, saved, transient, cut in points:
         loss = _loss_at(losses, n)
+        # what the loss saves of the output, less what the block saves of it already (one tensor)
+        of_output = max(0, loss.output_saved_bytes - round(last.saved_output_share * cut))
         joined.append(
             (
                 n,
                 fwd + loss.fwd_us,
                 bwd + loss.bwd_us,
-                saved + loss.saved_bytes,
+                saved + loss.saved_bytes + of_output,
                 max(transient, loss.transient_bytes),
                 cut,
             )
@@ -120,7 +122,11 @@ def _loss_at(losses: Mapping[int, LossCost], n: int) -> LossCost:
         only = losses[sizes[0]]
         scale = n / sizes[0]
         return LossCost(
-            only.fwd_us * scale, only.bwd_us * scale, round(only.saved_bytes * scale), round(only.transient_bytes * scale)
+            only.fwd_us * scale,
+            only.bwd_us * scale,
+            round(only.saved_bytes * scale),
+            round(only.transient_bytes * scale),
+            round(only.output_saved_bytes * scale),
         )
     k = 1
     while k < len(sizes) - 1 and sizes[k] < n:
@@ -137,4 +143,5 @@ def _loss_at(losses: Mapping[int, LossCost], n: int) -> LossCost:
         line(la.bwd_us, lb.bwd_us),
         round(line(la.saved_bytes, lb.saved_bytes)),
         round(line(la.transient_bytes, lb.transient_bytes)),
+        round(line(la.output_saved_bytes, lb.output_saved_bytes)),
     )

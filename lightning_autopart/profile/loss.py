@@ -32,12 +32,15 @@ LossFn = Callable[[Any, int], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class LossCost:
-    """The loss at one batch size: forward and backward time, bytes saved for backward, transient peak."""
+    """The loss at one batch size: forward and backward time, bytes saved for backward, transient peak, and the
+    bytes of the model's output it saves (the rest of the output is freed: [Note: the last stage's outputs] in
+    runtime/outputs.py)."""
 
     fwd_us: float
     bwd_us: float
     saved_bytes: int
     transient_bytes: int
+    output_saved_bytes: int = 0
 
 
 def _leaf_outputs(output: Any) -> Any:
@@ -83,18 +86,21 @@ def profile_loss(
         return t1 - t0, t2 - t1, value
 
     state = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-    meter = SavedTensorMeter(exclude=state)
+    meter = SavedTensorMeter()
     allocations = AllocationMeter()
     counter = OpCounter(roofline)
     with counter, allocations, meter.hooks():
         run(counter)
     # The batch's slice the loss read (its targets) is the batch every rank holds anyway ([Note: pipeline
-    # buffers] in partition/cost.py): what the loss saves of it is not the loss's own memory.
-    saved = meter.nbytes - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
+    # buffers] in partition/cost.py): what the loss saves of it is not the loss's own memory. What it saves of
+    # the model's output is told apart: the last block may save the same tensor (curves.add_loss).
+    of_output = meter.nbytes_of(state)
+    saved = meter.nbytes - of_output - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
     _drop_slice(loss)
     transient = max(0, allocations.peak - meter.nbytes)
     if roofline is not None:  # an estimate: the counter's roofline prices every op
-        return LossCost(counter.counts["fwd"].time_us, counter.counts["bwd"].time_us, saved, transient)
+        fwd_us, bwd_us = counter.counts["fwd"].time_us, counter.counts["bwd"].time_us
+        return LossCost(fwd_us, bwd_us, saved, transient, of_output)
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         f, b, _ = run()
@@ -102,7 +108,7 @@ def profile_loss(
             fwd.append(f * 1e6)
             bwd.append(b * 1e6)
     _drop_slice(loss)
-    return LossCost(statistics.median(fwd), statistics.median(bwd), saved, transient)
+    return LossCost(statistics.median(fwd), statistics.median(bwd), saved, transient, of_output)
 
 
 def _drop_slice(loss: object) -> None:

@@ -50,6 +50,7 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
 from lightning_autopart.runtime.buckets import GradBucket, all_reduce_mean, make_buckets
 from lightning_autopart.runtime.gradients import keep_contiguous
+from lightning_autopart.runtime.outputs import release_outputs
 from lightning_autopart.runtime.recompute import Recompute, log_recompute
 from lightning_autopart.runtime.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
 from lightning_autopart.runtime.topology import build_groups, place, tied_ranks
@@ -235,7 +236,7 @@ class PipelineRunner:
             return None
         return _merge(outputs)
 
-    def _rebuild(self, outputs: tuple[torch.Tensor, ...]) -> Any:
+    def _rebuild(self, outputs: Sequence[torch.Tensor]) -> Any:
         return self.output.rebuild(outputs)
 
     def _split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -253,7 +254,7 @@ class PipelineRunner:
         for chunk, target_chunk in zip(self._chunks(args), self._split(target), strict=True):
             self._train_loss(stage(*chunk), target_chunk).backward()
 
-    def _train_loss(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    def _train_loss(self, output: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the user's loss / micro-batches, reported unscaled, then scaled."""
         assert self.loss_fn is not None  # step() checked it
         loss = self.loss_fn(self._rebuild(output), target) / self.plan.micro_batches
@@ -262,7 +263,7 @@ class PipelineRunner:
             loss = self._scale(loss)
         return touch(loss, self._wire[self.plan.num_stages - 1].untouched)
 
-    def _eval_hook(self, output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    def _eval_hook(self, output: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         """The eval schedule's "loss": hands each micro-batch's output to ``each``."""
         assert self._each is not None
         self._each(self._rebuild(output), target)
@@ -321,7 +322,14 @@ class PipelineRunner:
             )
             for s in self.placement.stages
         ]
-        loss = self._train_loss if kind == "train" else self._eval_hook
+        hook = self._train_loss if kind == "train" else self._eval_hook
+        last = next((st for st in stages if st.is_last), None)
+
+        def loss(output: list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+            value = hook(output, target)
+            release_outputs(last, output)  # [Note: the last stage's outputs]
+            return value
+
         # The loss is scaled by 1 / micro-batches before backward; see [Note: gradient semantics].
         options: dict[str, Any] = {"loss_fn": loss, "scale_grads": False}
         n = self.plan.micro_batches

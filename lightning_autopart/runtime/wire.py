@@ -104,8 +104,9 @@ class WireStage(nn.Module):
         #: Carriers received without a gradient need in the last forward, for the loss to touch.
         self.untouched: list[torch.Tensor] = []
 
-    def forward(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Decode the received carriers, run the stage, encode what it sends on."""
+    def forward(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
+        """Decode the received carriers, run the stage, encode what it sends on (the last stage: its outputs, as a
+        list)."""
         untouched: list[torch.Tensor] = []
         if self._in is not None:
             decoded = []
@@ -119,7 +120,7 @@ class WireStage(nn.Module):
         outputs = self.stage(*values)
         if self._out is None:  # the last stage: the loss touches the carriers (see [Note: wire format])
             self.untouched = untouched
-            return tuple(outputs)
+            return list(outputs)  # emptied once the loss is computed: [Note: the last stage's outputs]
         carriers = [encode(o) for o in outputs]
         anchor = next((i for i, c in enumerate(carriers) if c.requires_grad), None)
         if anchor is not None and untouched:

@@ -2,7 +2,7 @@
 
 Usage: ``python -m torch.distributed.run --nproc_per_node=N tests/distributed/_runtime_worker.py CASES OUT``,
 where CASES is a JSON list of {"model", "stages", "replicas", "schedule"} and OUT a directory; rank r writes
-``OUT/rank{r}.pt`` = {case index: {"params": {fqn: tensor}, "losses": [loss per step]}}.
+``OUT/rank{r}.pt`` = {case index: {"params": {fqn: tensor}, "losses": [loss per step], ...}}.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,15 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
     plan = make_case_plan(case, captured.num_blocks)
     k = case.get("accumulate", 1)
     loss_of = loss_fn(case["model"])
-    runner = PipelineRunner(plan, captured, rank, "cpu", lambda out, y: loss_of(out, y) / k)
+    outputs: list[weakref.ref[torch.Tensor]] = []  # this step's last-stage outputs
+    alive: list[int] = []  # at each loss, the step's earlier outputs still alive
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        alive.append(sum(ref() is not None for ref in outputs))
+        outputs.append(weakref.ref(out))
+        return loss_of(out, y) / k
+
+    runner = PipelineRunner(plan, captured, rank, "cpu", loss)
     params = list(dict.fromkeys(p for m in runner.modules.values() for p in m.parameters()))
     optimizer = torch.optim.SGD(params, lr=0.1)
     share = runner.local_batch_size
@@ -56,6 +65,7 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
                 return real_all_reduce(*args, **kwargs)
 
             dist.all_reduce = counted
+            outputs.clear()
             try:
                 loss = runner.step(xs if runner.is_first else None, ys if runner.is_last else None, sync=sync)
             finally:
@@ -70,6 +80,7 @@ def run_case(case: dict[str, Any], rank: int) -> dict[str, Any]:
         "losses": losses,
         "replica": runner.placement.replica,
         "all_reduces": all_reduces,
+        "outputs_alive": max(alive, default=0),
     }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.distributed.launch import TIMED_OUT, free_port, run_job
 from tests.distributed.runtime_cases import BATCH, batches, loss_fn
@@ -111,6 +112,20 @@ def test_pipeline_equals_single_process(runs: dict[int, dict[int, Any]], index: 
             counts = results[index]["all_reduces"]
             assert counts[False] == 0, f"rank {rank} all-reduced {counts[False]} times in sync=False steps"
             assert (counts[True] > 0) == (case["replicas"] > 1), f"rank {rank}: {counts[True]} all-reduces"
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=_case_id)
+def test_the_last_stage_keeps_no_output_its_loss_does_not_save(runs: dict[int, dict[int, Any]], index: int) -> None:
+    """A cross entropy saves none of the logits: once a micro-batch's loss is computed, nothing holds them (the
+    schedules' own references dropped, [Note: the last stage's outputs]). GPipe kept every one till backward."""
+    case = CASES[index]
+    if loss_fn(case["model"]) is F.mse_loss:
+        pytest.skip("a mean squared error saves its input for backward")
+    world = case["stages"] * case["replicas"] // case.get("chunks", 1)
+    for rank, results in runs[world].items():
+        got = results[index]
+        if got["losses"][0] is not None:  # the last stage
+            assert got["outputs_alive"] == 0, f"rank {rank}: {got['outputs_alive']} earlier outputs alive at a loss"
 
 
 @pytest.fixture

@@ -3,12 +3,18 @@ share of a cut a block saves as it is, the batch every rank holds, and a loss th
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_autopart.cluster import Cluster
+from lightning_autopart.partition.tables import CostTables
 from lightning_autopart.planner import profile_model
 from lightning_autopart.profile.loss import batch_bytes, profile_loss
+from lightning_autopart.profile.records import cost_at
 
 
 class Chain(nn.Module):
@@ -62,4 +68,39 @@ def test_what_a_loss_saves_of_the_batch_is_not_the_loss_s_own() -> None:
     loss = StepLike(batch, 8)
     cost = profile_loss(loss, torch.randn(8, 16), 8, warmup=0, repeats=1)
     assert cost.saved_bytes == 0  # the output is the stage's, the target the batch's
+    assert cost.output_saved_bytes == 8 * 16 * 4  # what it saves of the output, told apart
     assert loss.sliced == ()  # no copy of the batch outlives the profile
+    logits, labels = torch.randn(8, 10), torch.zeros(8, dtype=torch.long)
+    entropy = profile_loss(lambda out, n: F.cross_entropy(out, labels[:n]), logits, 8, warmup=0, repeats=1)
+    assert entropy.output_saved_bytes == 0 and entropy.saved_bytes >= 8 * 10 * 4  # its log-softmax, not the logits
+
+
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy", None])
+def test_the_last_stage_holds_what_its_loss_saves_of_the_output(loss: str | None) -> None:
+    """The runtime drops the model's outputs once the loss is computed ([Note: the last stage's outputs]): a
+    priced loss's saves of them are the last block's activations, and no output is held besides; an unpriced
+    loss might save it all, so all of it is held."""
+    x = torch.randn(8, 16)
+    fns: dict[str | None, Any] = {
+        "mse": lambda out, n: (out**2).mean(),  # saves its input, the output
+        "cross_entropy": lambda out, n: F.cross_entropy(out, out.new_zeros(n, dtype=torch.long)),
+        None: None,
+    }
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))  # the last block saves none of its output
+    plain = profile_model(model, x, profile="estimate", up_to=8)
+    prof = profile_model(model, x, profile="estimate", up_to=8, loss=fns[loss])
+    cluster = Cluster(
+        nodes=1, devices_per_node=2, device_memory_bytes=1 << 30, intra_node_bw=1e6, inter_node_bw=1e5,
+        intra_allreduce_bw=1e3, inter_allreduce_bw=1e2,
+    )
+    tables = CostTables(prof, cluster)
+    at = tables.at(4)
+    output = 4 * 16 * 4  # a micro-batch's output bytes
+    assert at.cuts[-1] == output
+    grown = cost_at(prof.blocks[-1], 4, 8).activation_bytes - cost_at(plain.blocks[-1], 4, 8).activation_bytes
+    if loss is None:
+        assert at.held[-1] == output and grown == 0
+    elif loss == "mse":  # the loss saves the output: the block's activations, not held
+        assert at.held[-1] == 0 and grown == output
+    else:  # its log-softmax (and labels), no part of the output
+        assert at.held[-1] == 0 and grown >= 4 * 16 * 4
