@@ -97,7 +97,7 @@ def profile_loss(
     of_output = meter.nbytes_of(state)
     saved = meter.nbytes - of_output - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
     _drop_slice(loss)
-    transient = max(0, allocations.peak - meter.nbytes)
+    transient = max(0, allocations.peak - (meter.nbytes - of_output))  # the output was allocated before the loss
     if roofline is not None:  # an estimate: the counter's roofline prices every op
         fwd_us, bwd_us = counter.counts["fwd"].time_us, counter.counts["bwd"].time_us
         return LossCost(fwd_us, bwd_us, saved, transient, of_output)

@@ -75,6 +75,17 @@ def test_what_a_loss_saves_of_the_batch_is_not_the_loss_s_own() -> None:
     assert entropy.output_saved_bytes == 0 and entropy.saved_bytes >= 8 * 10 * 4  # its log-softmax, not the logits
 
 
+
+def test_what_a_loss_saves_of_the_output_is_told_apart_from_its_own_saves_and_transient() -> None:
+    # The same work, but the second loss saves a tensor of its own (o + 0) where the first saves the output.
+    out = torch.randn(64, 256)
+    of_output = profile_loss(lambda o, n: o.square().mean(), out, 64, warmup=0, repeats=1)
+    own = profile_loss(lambda o, n: (o + 0).square().mean(), out, 64, warmup=0, repeats=1)
+    assert (of_output.output_saved_bytes, of_output.saved_bytes) == (64 * 256 * 4, 0)
+    assert (own.output_saved_bytes, own.saved_bytes) == (0, 64 * 256 * 4)
+    assert of_output.transient_bytes == own.transient_bytes  # the output was allocated before the loss ran
+
+
 @pytest.mark.parametrize("loss", ["mse", "cross_entropy", None])
 def test_the_last_stage_holds_what_its_loss_saves_of_the_output(loss: str | None) -> None:
     """The runtime drops the model's outputs once the loss is computed ([Note: the last stage's outputs]): a
