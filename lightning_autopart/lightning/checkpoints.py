@@ -207,7 +207,10 @@ class CheckpointHooks:
         return self._checkpoints.load(
             Path(checkpoint_path),
             self._lm,
-            lambda path: self.checkpoint_io.load_checkpoint(path, weights_only=weights_only),
+            # Lightning 2.5's checkpoint IO takes no ``weights_only`` (2.6 added it, and passes it only when set).
+            lambda path: self.checkpoint_io.load_checkpoint(
+                path, **({} if weights_only is None else {"weights_only": weights_only})
+            ),
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
