@@ -62,9 +62,11 @@ class WholeModelSummary(ModelSummary):
         modes = {m: m.training for m in model.modules()}
         trainer = model._trainer
         context = trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
+        # Lightning counts FLOPs from 2.6 on; before, its summary has no counter and shows sizes only.
+        counter = getattr(self, "_flop_counter", None)
         model.eval()
         try:
-            with torch.no_grad(), context, self._flop_counter:
+            with torch.no_grad(), context, counter if counter is not None else contextlib.nullcontext():
                 if isinstance(inputs, (list, tuple)):
                     torch.func.functional_call(model, state, tuple(inputs))
                 elif isinstance(inputs, dict):
@@ -72,9 +74,10 @@ class WholeModelSummary(ModelSummary):
                 else:
                     torch.func.functional_call(model, state, (inputs,))
         except Exception as error:  # user code that needs real values: the counts stay as far as they got
-            self._flop_counter.flop_counts.clear()
+            if counter is not None:
+                counter.flop_counts.clear()
             rank_zero_info(
-                f"autopart: the model summary counts no FLOPs: {type(model).__name__}'s forward does not run on "
+                f"autopart: the model summary counts no FLOPs and no layer sizes: {type(model).__name__}'s forward does not run on "
                 f"meta tensors ({type(error).__name__}: {str(error)[:120]})"
             )
         finally:

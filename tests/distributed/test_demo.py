@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.utilities.model_summary import ModelSummary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,8 @@ def test_tutorial_demo_trains_with_autopart_on_two_processes(extra: list[str]) -
     # The summary counts the whole model, not rank 0's stage, and its FLOPs (2 samples x 10 layers x 2 x 256^2).
     assert "#Parameters=657920" in out
     assert re.search(r"Total params:?\s+657 K|657 K\s+Total params", out), out[-3000:]
-    assert re.search(r"Total (FLOPs|Flops):?\s+2\.6 M|2\.6 M\s+Total Flops", out), out[-3000:]
+    if hasattr(ModelSummary, "total_flops"):  # Lightning 2.6 on; 2.5's summary counts no FLOPs
+        assert re.search(r"Total (FLOPs|Flops):?\s+2\.6 M|2\.6 M\s+Total Flops", out), out[-3000:]
     assert not re.search(r"Total (FLOPs|Flops):?\s+0\b", out)
     # Predicted and measured throughput side by side, and why they differ.
     found = re.search(r"throughput: predicted ([\d,]+) samples/s \(plan, measure on cpu\), measured ([\d,]+)", out)
