@@ -12,13 +12,16 @@ STAMP  := $(VENV)/.autopart-installed
 PYTEST_ARGS ?=
 # make test-torch TORCH=2.11.0: the whole suite in .venv-torch$(TORCH) on that torch (PyPI's build if it must).
 TORCH  ?= 2.11.0
+# make test-lightning LIGHTNING=2.5.6: the whole suite in .venv-lightning$(LIGHTNING) on that Lightning (the floor).
+LIGHTNING ?= 2.5.6
+LIGHTNING_VERSION ?=
 
-.PHONY: demo plan-demo test test-torch test-gpu lint typecheck pytest docs docs-images bench clean
+.PHONY: demo plan-demo test test-torch test-lightning test-gpu lint typecheck pytest docs docs-images bench clean
 
 $(STAMP): pyproject.toml scripts/ensure_torch.py
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	TORCH_VERSION=$(TORCH_VERSION) AUTOPART_TORCH_FROM_PYPI=$(AUTOPART_TORCH_FROM_PYPI) $(BIN)/python scripts/ensure_torch.py
-	$(BIN)/python -m pip install -q -e '.[test,dev,plot,docs,ray]'
+	$(BIN)/python -m pip install -q -e '.[test,dev,plot,docs,ray]' $(if $(LIGHTNING_VERSION),lightning==$(LIGHTNING_VERSION))
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -61,6 +64,10 @@ test: lint typecheck docs pytest
 # Another torch: a venv of its own (no system site packages, so the system's torch is not seen), same checks.
 test-torch:
 	$(MAKE) test VENV=.venv-torch$(TORCH) TORCH_VERSION=$(TORCH) VENV_FLAGS= AUTOPART_TORCH_FROM_PYPI=1
+
+# Another Lightning: a venv of its own, the default torch, same checks.
+test-lightning:
+	$(MAKE) test VENV=.venv-lightning$(LIGHTNING) LIGHTNING_VERSION=$(LIGHTNING)
 
 # The GPU tier (tests marked gpu; skipped without CUDA) and the one-GPU benchmark.
 test-gpu: $(STAMP)
