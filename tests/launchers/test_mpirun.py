@@ -89,7 +89,8 @@ def test_the_rannc_tutorial_command_trains_one_job_of_two_ranks() -> None:
 
 def test_mpirun_without_mpi4py_is_refused_instead_of_running_a_job_per_rank(tmp_path: Path) -> None:
     """With no mpi4py, Lightning cannot see mpirun: each rank would start a whole job of its own (two trainings,
-    four processes). Every rank refuses when its Trainer is made, naming the fix."""
+    four processes). Every rank refuses when its Trainer is made, naming the fix, unless mpirun stopped it first:
+    mpirun aborts the job when the first rank exits non-zero, which can come before the other rank has printed."""
     hidden = tmp_path / "mpi4py"
     hidden.mkdir()
     (hidden / "__init__.py").write_text('raise ImportError("mpi4py hidden by the test")\n')
@@ -101,4 +102,6 @@ def test_mpirun_without_mpi4py_is_refused_instead_of_running_a_job_per_rank(tmp_
         "ConfigError: this process is one of the 2 that mpirun started (OMPI_COMM_WORLD_SIZE), but Lightning cannot "
         "see MPI: install mpi4py (pip install mpi4py)"
     )
-    assert log.count(message) == 2, log[-4000:]
+    refused = log.count(message)
+    aborted = "the job has been aborted" in log
+    assert refused == 2 or (refused == 1 and aborted), f"{refused} refusals, aborted: {aborted}\n{log[-4000:]}"
