@@ -16,7 +16,9 @@ from lightning_autopart.capture.backward_hooks import TensorHooks, has_backward_
 from lightning_autopart.capture.glue import first_line
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import keep_host_random
+from lightning_autopart.capture.libraries import library_hint
 from lightning_autopart.capture.outputs import report_dropped
+from lightning_autopart.capture.pytree_keys import keyed_pytree_nodes
 from lightning_autopart.capture.via_export import capture_export
 from lightning_autopart.capture.via_hooks import capture_modules
 from lightning_autopart.errors import CaptureError, ConfigError
@@ -79,9 +81,15 @@ def capture(
         )
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
-    with _preserved(module), keep_host_random(module), keep_attributes(module):
+    # [Note: pytree keys]: export names values by their pytree paths.
+    with _preserved(module), keep_host_random(module), keep_attributes(module), keyed_pytree_nodes():
         module.train()  # dropout probabilities as in training; modes are read when programs run
-        captured = _capture(module, args, kwargs, max_blocks, method, check_eval)
+        try:
+            captured = _capture(module, args, kwargs, max_blocks, method, check_eval)
+        except CaptureError as error:  # [Note: transformers before 5]
+            if not (hint := library_hint(module)):
+                raise
+            raise CaptureError(f"{error}{hint}") from error
     report_dropped(captured.output, cls)
     return captured
 

@@ -175,7 +175,7 @@ def _innermost_of(fqns: list[str]) -> list[str]:
 
 def modules_of(module: nn.Module, branches: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     """The modules ``branches`` names in ``module``, by name (``module`` itself where it names none)."""
-    names = dict(module.named_modules())
+    names = dict(module.named_modules(remove_duplicate=False))
     return [(f, names[f]) for f in branches if f in names] or [("<root>", module)]
 
 

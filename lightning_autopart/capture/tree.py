@@ -32,7 +32,7 @@ def block_modules(root: nn.Module, max_blocks: int, weight: Callable[[str], int]
         max_blocks: The block count refinement may grow to (containers are expanded regardless).
         weight: Parameters (or operations) under a module FQN; ``weight("")`` is the total.
     """
-    modules = dict(root.named_modules())
+    modules = dict(root.named_modules(remove_duplicate=False))  # a module at two paths: both
     blocks = children(root, "")
     if not blocks:
         return [""]
@@ -107,5 +107,5 @@ def ancestors(fqn: str) -> list[str]:
 
 def param_weight(root: nn.Module) -> Callable[[str], int]:
     """Parameter elements under a module FQN (each shared parameter counted once per module)."""
-    modules = dict(root.named_modules())
+    modules = dict(root.named_modules(remove_duplicate=False))  # a module at two paths: both
     return lambda fqn: sum(p.numel() for p in modules[fqn].parameters())

@@ -246,7 +246,7 @@ def capture_modules(
     blocks called otherwise there are a branch on the mode ([Note: Python branches on the mode])."""
     cls = type(module).__name__
     weight = param_weight(module)
-    modules = dict(module.named_modules())
+    modules = dict(module.named_modules(remove_duplicate=False))
     fqns = block_modules(
         module, max_blocks, weight if weight("") > 0 else lambda f: len(list(modules[f].modules()))
     )
@@ -309,7 +309,7 @@ def _capture_once(
 ) -> CapturedModel:
     """One forward with hooks on the blocks ``fqns`` and on the modules above them."""
     tracker = _Tracker(module)
-    modules = dict(module.named_modules())
+    modules = dict(module.named_modules(remove_duplicate=False))
     leaves = pytree.tree_leaves((args, kwargs))
     inputs = [(f"input{i}", leaf) for i, leaf in enumerate(leaves)]
     for name, leaf in reversed(inputs):  # reversed: the first name wins for a tensor passed twice
