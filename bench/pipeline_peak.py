@@ -1,7 +1,7 @@
 """Each pipeline rank's step peak against its stage's predicted memory, on 2 gloo ranks of this machine.
 
 Usage: ``python bench/pipeline_peak.py [--model mlp|llama|gpt2] [--cases 1F1B:4 1F1B:8 GPipe:4 Interleaved1F1B:4]
-[--batch N] [--parts]`` (about 20 s a case).
+[--batch N] [--precision 32-true|bf16-mixed|...] [--parts]`` (about 20 s a case).
 
 Models: a 2-stage MLP (8 x Linear(256, 1024) + GELU + Linear(1024, 256)) with SGD (no state, so activations
 decide the peak), ``--batch`` 1,024 samples of 256 features a step; or a Hugging Face Llama or GPT-2 (4 layers,
@@ -48,7 +48,7 @@ def _causal_lm(transformers: Any, name: str) -> Any:
     raise SystemExit(f"unknown --model {name!r}; use mlp, llama or gpt2")
 
 
-def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path) -> None:
+def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path, precision: str = "32-true") -> None:
     """One case, run by Lightning's launcher on every rank: writes this rank's row as JSON into ``out``."""
     import dataclasses
     import warnings
@@ -108,7 +108,7 @@ def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path) -> 
     probe = StepPeak(2, 5, extra=lambda trainer: stage_buffers(strategy._runner._schedules.values()))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], precision=precision,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=batch))
     assert strategy.plan is not None
@@ -128,13 +128,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=None, help="samples a step (mlp: 1024; others: 16)")
     parser.add_argument("--model", default="mlp", choices=("mlp", "llama", "gpt2"))
     parser.add_argument("--parts", action="store_true", help="print each prediction's parts (MB)")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's precision (bf16-mixed: autocast)")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: one case, under Lightning's launcher
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batch = args.batch or (1024 if args.model == "mlp" else 16)
     if args.rank_of:
         schedule, micro = args.rank_of.split(":")
-        _rank(args.model, schedule, int(micro), args.batch, Path(args.out))
+        _rank(args.model, schedule, int(micro), args.batch, Path(args.out), args.precision)
         return []
     print("| schedule | micro-batches | rank | predicted MB | measured MB | predicted / measured |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + len(rows)))
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, __file__, "--rank-of", case, "--batch", str(args.batch), "--out", out]
-            command += ["--model", args.model]
+            command += ["--model", args.model, "--precision", args.precision]
             subprocess.run(command, env=env, capture_output=True, timeout=300, check=False)
             found = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
         schedule, micro = case.split(":")

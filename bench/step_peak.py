@@ -2,7 +2,8 @@
 architecture of ``tests/hf_architectures.py``.
 
 Usage: ``python bench/step_peak.py [--widen 8] [--precisions 32-true bf16-true] [--optimizer adamw]
-[--archs qwen3 bart ...]`` (about 3 minutes for all, on two cores).
+[--archs qwen3 bart ...] [--sweep]`` (about 3 minutes for all, on two cores). ``--sweep`` runs the 20
+architectures of ``bench/hf_sweep.py`` instead (models the test tier does not build).
 
 Each architecture is built from its tiny config with its widths multiplied by ``--widen`` (hidden sizes and
 feed-forward sizes), every dropout off, at a batch of 8 with its token sequences doubled. A LightningModule
@@ -30,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.hf_sweep import SWEEP
 from tests.hf_architectures import ARCHITECTURES, Architecture, build
 from tests.unit.test_step_peak import measured_peak, predicted_peak
 
@@ -101,15 +103,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--widen", type=int, default=8)
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-true"])
     parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="adamw")
-    parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURES), choices=list(ARCHITECTURES))
+    parser.add_argument("--archs", nargs="+", choices=[*ARCHITECTURES, *SWEEP])
+    parser.add_argument("--sweep", action="store_true", help="every architecture of bench/hf_sweep.py")
     args = parser.parse_args(argv)
+    known = {**ARCHITECTURES, **SWEEP}
+    names = args.archs or list(SWEEP if args.sweep else ARCHITECTURES)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}; estimate mode (h100 spec) against plain Lightning on the CPU\n")
     print("| architecture | precision | predicted MB | measured MB | ratio |\n|---|---|---:|---:|---:|")
     rows: list[dict[str, Any]] = []
-    for name in args.archs:
-        arch = widened(ARCHITECTURES[name], args.widen)
+    for name in names:
+        arch = widened(known[name], args.widen)
         batch = next(iter(DataLoader(Inputs(arch), batch_size=BATCH)))
         for precision in args.precisions:
             try:
