@@ -18,13 +18,15 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     F = sum f_k, Bw = sum b_k, O = sum o_k                    over k in [i, j)
     static = params + grads + optimizer + buffers            (+ a full copy of each tied parameter the
                                                               stage uses but whose owner block it lacks)
+    W = in_flight * sum w_k                                     (autocast's weight copies, "-mixed": [Note:
+                                                              weight casts])
     in_flight = 1 (S = 1) | M (GPipe) | min(S - p, M) (1F1B)
               | the chunk's most over its rank's backwards (Interleaved1F1B, [Note: interleaved in flight])
     X = max x_k                                                 (one micro-batch's backward at a time)
     Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
     D = min(u, grads, X if S*v = 1 else grads) if fresh else 0  (gradients not yet made at the peak, see below)
-    memory_off = static + P + max(in_flight * sum a_k + X - D + Q_off, Y)            (u = sum a_k)
-    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + X - D + Q_on, Y)  (u = c_{i-1}; checkpointing:
+    memory_off = static + P + max(in_flight * sum a_k + X - D + Q_off + W, Y)            (u = sum a_k)
+    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + X - D + Q_on + W, Y)  (u = c_{i-1}; checkpointing:
                                                               keep only the stage input per micro-batch,
                                                               recompute one micro-batch at a time)
     P, Q = the batch and the pipeline's buffers, kept and in flight ([Note: pipeline buffers])
@@ -56,6 +58,16 @@ With a single stage ``D <= X`` keeps the forward's end with last step's gradient
 plain Lightning zeroes them after the forward, before backward. On an H100 this took the predicted peak of a
 GPT-2 and a Llama in bf16-mixed from 1.14 and 1.10 to 1.08 and 1.03 of the measured one. A pipelined step
 drops them before its first forward (the strategy's ``training_step``), so there ``D = min(u, grads)``.
+
+[Note: weight casts] Under a "-mixed" precision, autocast copies each weight to low precision in the forward,
+and the backward keeps the copy until the weight's gradient is made; the copies are gone by the optimizer step,
+so they belong to the forward/backward term, not to the state. Lightning runs autocast with its cache off
+(``cache_enabled=False``), so each micro-batch's forward makes its own copies: they are priced per micro-batch
+in flight, like activations (a single stage runs one at a time). Counted as state once, they over-predicted
+optimizer-bound steps (`bench/step_peak.py --precisions bf16-mixed`: ConvNeXt 1.100, a wide Llama at one
+sample 1.092; now 1.000 and 1.000) and under-predicted GPipe ranks, whose micro-batches are all in flight
+(`bench/pipeline_peak.py --model llama --precision bf16-mixed`: 0.905; now 1.001). A copy the backward does
+not need (a first layer's, whose input needs no gradient) dies at once and is over-priced.
 
 [Note: pipeline buffers] Besides its state and activations, a rank holds what the step moves:
 
@@ -314,6 +326,8 @@ class ChunkParts(NamedTuple):
     recompute: int
     transient: int
     optimizer: int
+    #: Autocast's weight copies of one micro-batch in flight ([Note: weight casts]).
+    casts: int = 0
 
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
@@ -323,9 +337,11 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     st = tables.static[j] - tables.static[i] + tp + tg + to
     a_sum = at.acts[j] - at.acts[i] + at.shared[i]
     trans = at.transient(i, j)
+    unit_casts = tables.casts[j] - tables.casts[i]  # [Note: weight casts]: per micro-batch in flight
     grad = tables.grads[j] - tables.grads[i] + tg
     y = int(grad * tables.opt_transient)
     infl, mb = cc.in_flight[k], cc.cfg.micro_batches
+    casts = infl * unit_casts
     act_off = infl * a_sum
     act_on = infl * at.stage_input[i] + a_sum
     top = trans if cc.capped else grad  # D <= X only where last step's gradients outlive the forward
@@ -337,9 +353,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     q_run = infl * cc.held[j]
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
-    if st + held + max(act_off + trans - d_off + q_off, y) <= cap:
+    if st + held + max(act_off + trans - d_off + q_off + casts, y) <= cap:
         ck, act, d, q = False, act_off, d_off, q_off
-    elif cc.checkpointing and st + held + max(act_on + trans - d_on + q_on, y) <= cap:
+    elif cc.checkpointing and st + held + max(act_on + trans - d_on + q_on + casts, y) <= cap:
         ck, act, d, q = True, act_on, d_on, q_on
     else:
         fits = False
@@ -366,7 +382,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     data = w - w0
     if w < cc.data_floor:
         data, w = cc.data_floor - w, cc.data_floor
-    buf = tables.buffers[j] - tables.buffers[i]
+    buf = tables.buffers[j] - tables.buffers[i] - unit_casts + casts
     unit, kept = (at.stage_input[i], at.stage_input[i]) if ck else (a_sum, at.alias[i])  # per micro-batch
     return StageCost(
         index=k,
@@ -387,15 +403,15 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
         activation_bytes=act - excess,
-        transient_bytes=max(trans - d + excess, y - act - q + excess),
+        transient_bytes=max(trans - d + excess, y - act - q - casts + excess),
         in_flight=infl,
-        memory_bytes=(mem := st + held + max(act + trans - d + q, y)),
+        memory_bytes=(mem := st + casts + held + max(act + trans - d + q, y - casts)),
         limit_bytes=cap,
         param_count=tables.counts[j] - tables.counts[i] + tn,
         data_us=data,
         io_bytes=held + q,
         bound_bytes=mem,
         parts=None if v == 1 else ChunkParts(
-            st, cc.batch[k] + mb * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y
+            st, cc.batch[k] + mb * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y, unit_casts
         ),
     )

@@ -54,7 +54,7 @@ def solve(
     start, room = relax.start, relax.room(tau)
     at = cc.at
     pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
-    sh = at.shared
+    sh, pc = at.shared, tables.casts
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
@@ -103,10 +103,10 @@ def solve(
                             gr += tc.grad_bytes
                             opt += tc.optimizer_us
                 a_sum = paj - pa[i] + sh[i]
-                x = trans(i, j)
+                x = trans(i, j) + infl * (pc[j] - pc[i])  # with the weight casts ([Note: weight casts] in cost.py)
                 y = int(gr * yf)
                 if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in cost.py)
-                    bound = x if capped else gr
+                    bound = x - infl * (pc[j] - pc[i]) if capped else gr
                     d_off, d_on = min(a_sum, gr, bound), min(cin[i], gr, bound)
                 else:
                     d_off = d_on = 0
@@ -186,7 +186,7 @@ def solve_memory(
         return None
     at = cc.at
     ps, pa, cin, trans, tied = tables.static, at.acts, at.stage_input, at.transient, tables.tied
-    sh = at.shared
+    sh, pc = at.shared, tables.casts
     pg, yf = tables.grads, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
@@ -225,7 +225,7 @@ def solve_memory(
                 if ck:
                     units = min(units, a_sum - (min(cin[i], gr, bound) if fresh else 0) + q)
                 st += bk + msg * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
-                w = (st + max(units + x, int(gr * yf))) / lim
+                w = (st + max(units + x + infl * (pc[j] - pc[i]), int(gr * yf))) / lim
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

@@ -6,10 +6,11 @@ The planner judges each chunk alone (``bound_bytes``: its most micro-batches, it
 against its share of the device, [Note: chunk shares] in tables.py), which adds up stage by stage. The rank's
 true peak is the largest, over its backwards, of::
 
-    sum_c (state_c + io_c) + max(sum_c (n_c (a_c + q_c) + d_c sent_c) + recompute_b + X_b, sum_c y_c)
+    sum_c (state_c + io_c) + max(sum_c (n_c (a_c + q_c + w_c) + d_c sent_c) + recompute_b + X_b, sum_c y_c)
 
 with ``n_c`` and ``d_c`` the chunks' micro-batches in flight and finished at that moment (torch's runtime keeps
-a finished micro-batch's sends until the step ends) and ``b`` the chunk whose backward runs.
+a finished micro-batch's sends until the step ends), ``w_c`` a micro-batch's weight casts ([Note: weight casts] in
+cost.py) and ``b`` the chunk whose backward runs.
 :func:`share_rank_peaks` finds it and splits it among the chunks (``memory_bytes`` and its parts at that
 moment), so a rank's chunks add up to it; a tied parameter several of its chunks use is one tensor there and
 counts once. On 2 gloo ranks x 2 chunks (``bench/pipeline_peak.py --cases
@@ -142,7 +143,7 @@ def share_rank_peaks(
         for held, done, b in interleaved_moments(s, cfg.micro_batches, v, p):
             x = parts[b].recompute + parts[b].transient
             for n, d, q in zip(held, done, parts, strict=True):
-                x += n * (q.activation + q.held) + d * q.sent
+                x += n * (q.activation + q.held + q.casts) + d * q.sent
             if x > top:
                 top, moment = x, (held, done, b)
         held, done, b = moment
@@ -154,7 +155,8 @@ def share_rank_peaks(
             trans = q.transient + extra if on else 0
             out[p + c * s] = replace(
                 sc, in_flight=n, activation_bytes=act, io_bytes=io, transient_bytes=trans,
-                memory_bytes=q.state + io + act + trans,
+                buffer_bytes=sc.buffer_bytes + (n - sc.in_flight) * q.casts,
+                memory_bytes=q.state + n * q.casts + io + act + trans,
             )  # fmt: skip
     return tuple(out)
 

@@ -49,7 +49,7 @@ class BlockCost:
     bwd_kernels: int
     #: Backward's transient peak beyond the saved tensors (see [Note: transient memory]).
     transient_bytes: int = 0
-    #: Autocast's weight copies, once per step.
+    #: Autocast's weight copies, per forward ([Note: weight casts] in partition/cost.py).
     cast_bytes: int = 0
     #: Names of the block's inputs and of its outputs that it saves for backward (see [Note: saved twice]).
     saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
@@ -148,7 +148,7 @@ class Runner:
         """One forward and backward under ``counter``, metering saved tensors and allocations.
 
         Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors) and
-        :attr:`cast_bytes` (autocast's weight copies, once per step; not in the saved bytes returned), see
+        :attr:`cast_bytes` (autocast's weight copies, per forward; not in the saved bytes returned), see
         [Note: transient memory].
 
         Returns:

@@ -7,8 +7,8 @@ create (a weak reference on each storage's Python object, which torch keeps for 
 meta storages too) and keeps the peak of their sum; the transient is that peak minus the bytes saved for
 backward. Parameter gradients are state, counted elsewhere: the runner gives every parameter a gradient before
 the run, so backward accumulates into it. Under autocast, ``_to_copy`` of a parameter makes the low-precision
-copy of a weight; autocast caches it for the whole step (one copy per weight, however many micro-batches), so
-those bytes are reported apart (``cast_bytes``) and not as per-micro-batch activations.
+copy of a weight, which lives from its forward to the backward, but not through the optimizer step, so those
+bytes are reported apart (``cast_bytes``; [Note: weight casts] in partition/cost.py).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import pairwise
 
 import pytest
 
@@ -340,3 +341,41 @@ def test_a_stage_holds_the_batch_and_its_pipeline_buffers() -> None:
     # One stage runs no schedule: the batch alone, its input views saved by block a (none) not counted twice.
     one = evaluate_config(CostTables(prof, _cluster()), Config(1, 1, 4, "GPipe"), 4, (0, 3), checkpointing=False)
     assert one.stages[0].io_bytes == 1600
+
+
+@pytest.mark.parametrize("stages, schedule", [(1, "GPipe"), (2, "GPipe"), (1, "Interleaved1F1B")])
+def test_weight_casts_live_per_micro_batch_in_flight_not_through_the_optimizer_step(stages: int, schedule: str) -> None:
+    """[Note: weight casts]: autocast's weight copies add to the forward/backward term, one per micro-batch in
+    flight (a single stage runs one at a time), and are gone when the optimizer step's temporaries peak; the
+    reported parts still add up to the memory."""
+    bounds = (0, 1, 3) if stages * (2 if schedule == "Interleaved1F1B" else 1) == 2 else (0, 3)
+
+    def peaks(casts: int, optimizer_bound: bool) -> list[tuple[int, int]]:
+        blocks = tuple(
+            dataclasses.replace(
+                b, cast_bytes=casts, optimizer_bytes=0,
+                **({"activation_bytes": 0, "transient_bytes": 0, "cut_bytes": 0} if optimizer_bound else {}),
+            )
+            for b in PROFILE.blocks
+        )
+        prof = dataclasses.replace(PROFILE, blocks=blocks, input_bytes=0, optimizer="adam")
+        tables = CostTables(prof, _cluster(per_node=stages))
+        if optimizer_bound:
+            tables.opt_transient = 50.0  # the optimizer's temporaries outweigh every micro-batch
+        ev = evaluate_config(tables, Config(1, stages, 4, schedule), 4, bounds, checkpointing=False)
+        for s in ev.stages:
+            parts = s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.buffer_bytes + s.activation_bytes
+            assert parts + s.transient_bytes + s.io_bytes == s.memory_bytes
+        return [(s.memory_bytes, s.in_flight) for s in ev.stages]
+
+    def ranks(got: list[tuple[int, int]]) -> list[int]:
+        return [sum(m for m, _ in got[p::stages]) for p in range(stages)]
+
+    plain, cast = peaks(0, False), peaks(7, False)
+    assert [n for _, n in cast] == [n for _, n in plain]
+    assert [c - p for (c, _), (p, _) in zip(cast, plain, strict=True)] == [
+        n * 7 * (j - i) for (_, n), (i, j) in zip(cast, pairwise(bounds), strict=True)
+    ]
+    if schedule == "GPipe":  # a single stage runs one micro-batch at a time; a GPipe pipeline holds all four
+        assert max(n for _, n in cast) == (1 if stages == 1 else 4)
+    assert ranks(peaks(7, True)) == ranks(peaks(0, True))  # gone by the optimizer step
