@@ -382,7 +382,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     data = w - w0
     if w < cc.data_floor:
         data, w = cc.data_floor - w, cc.data_floor
-    buf = tables.buffers[j] - tables.buffers[i] - unit_casts + casts
+    buf = tables.buffers[j] - tables.buffers[i] + casts  # the weight casts in flight count as buffers
     unit, kept = (at.stage_input[i], at.stage_input[i]) if ck else (a_sum, at.alias[i])  # per micro-batch
     return StageCost(
         index=k,

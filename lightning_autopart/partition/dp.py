@@ -103,15 +103,16 @@ def solve(
                             gr += tc.grad_bytes
                             opt += tc.optimizer_us
                 a_sum = paj - pa[i] + sh[i]
-                x = trans(i, j) + infl * (pc[j] - pc[i])  # with the weight casts ([Note: weight casts] in cost.py)
+                x = trans(i, j)
                 y = int(gr * yf)
                 if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in cost.py)
-                    bound = x - infl * (pc[j] - pc[i]) if capped else gr
+                    bound = x if capped else gr
                     d_off, d_on = min(a_sum, gr, bound), min(cin[i], gr, bound)
                 else:
                     d_off = d_on = 0
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
+                x += infl * (pc[j] - pc[i])  # the weight casts in flight ([Note: weight casts] in cost.py)
                 if st + max(x + infl * a_sum - d_off + qj - infl * al[i], y) <= cap:
                     comp = fb
                 elif ck and st + max(x + a_sum - d_on + qj, y) <= cap:

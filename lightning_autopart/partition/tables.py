@@ -161,11 +161,11 @@ class CostTables:
         self.params = _prefix([b.param_bytes for b in blocks])
         self.grads = _prefix([b.grad_bytes for b in blocks])
         self.optim = _prefix([b.optimizer_bytes for b in blocks])
-        self.buffers = _prefix([b.buffer_bytes + b.cast_bytes for b in blocks])
+        self.buffers = _prefix([b.buffer_bytes for b in blocks])
         self.counts = _prefix([b.param_count for b in blocks])
         #: What a stage holds through the whole step; autocast's weight copies are apart ([Note: weight casts]).
         self.static = _prefix([b.param_bytes + b.grad_bytes + b.optimizer_bytes + b.buffer_bytes for b in blocks])
-        #: Prefix sums of autocast's weight copies, alive from the first forward to the last backward.
+        #: Prefix sums of the weight copies one micro-batch's forward makes ("-mixed"), kept until its backward.
         self.casts = _prefix([b.cast_bytes for b in blocks])
         #: Prefix sums of the optimizer step's time (once per step, independent of the micro-batch).
         self.opt_us = _prefix_float([b.optimizer_us for b in blocks])
