@@ -18,15 +18,17 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     F = sum f_k, Bw = sum b_k, O = sum o_k                    over k in [i, j)
     static = params + grads + optimizer + buffers            (+ a full copy of each tied parameter the
                                                               stage uses but whose owner block it lacks)
-    W = in_flight * sum w_k                                     (autocast's weight copies, "-mixed": [Note:
-                                                              weight casts])
+    W = in_flight * sum w_k                                     (autocast's weight copies the backward keeps,
+                                                              "-mixed": [Note: weight casts]; checkpointing:
+                                                              0, the recompute's are in sum a_k)
     in_flight = 1 (S = 1) | M (GPipe) | min(S - p, M) (1F1B)
               | the chunk's most over its rank's backwards (Interleaved1F1B, [Note: interleaved in flight])
     X = max x_k                                                 (one micro-batch's backward at a time)
     Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
-    D = min(u, grads, X if S*v = 1 else grads) if fresh else 0  (gradients not yet made at the peak, see below)
-    memory_off = static + P + max(in_flight * sum a_k + X - D + Q_off + W, Y)            (u = sum a_k)
-    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + X - D + Q_on + W, Y)  (u = c_{i-1}; checkpointing:
+    D = min(u, grads, X if S*v = 1 else grads) if fresh else 0  (gradients not yet made at the peak, see below;
+                                                              u = sum a_k + sum w_k: a backward frees both)
+    memory_off = static + P + max(in_flight * sum a_k + X - D + Q_off + W, Y)
+    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + sum w_k + X - D + Q_on, Y)  (u = c_{i-1};
                                                               keep only the stage input per micro-batch,
                                                               recompute one micro-batch at a time)
     P, Q = the batch and the pipeline's buffers, kept and in flight ([Note: pipeline buffers])
@@ -66,8 +68,11 @@ so they belong to the forward/backward term, not to the state. Lightning runs au
 in flight, like activations (a single stage runs one at a time). Counted as state once, they over-predicted
 optimizer-bound steps (`bench/step_peak.py --precisions bf16-mixed`: ConvNeXt 1.100, a wide Llama at one
 sample 1.092; now 1.000 and 1.000) and under-predicted GPipe ranks, whose micro-batches are all in flight
-(`bench/pipeline_peak.py --model llama --precision bf16-mixed`: 0.905; now 1.001). A copy the backward does
-not need (a first layer's, whose input needs no gradient) dies at once and is over-priced.
+(`bench/pipeline_peak.py --model llama --precision bf16-mixed`: 0.905; now 1.001). ``w_k`` is what the
+backward keeps: a copy it does not need (a first layer's, a bias's) dies with its operation. A backward frees
+its copies with its activations, for fresh gradients to take their place (``u`` counts them). MLP GPipe ranks:
+1.157 and 1.088 before both, 1.031 and 1.014 after. A checkpointed stage keeps none in flight: the recompute
+makes one micro-batch's again, priced with its activations.
 
 [Note: pipeline buffers] Besides its state and activations, a rank holds what the step moves:
 
@@ -341,11 +346,11 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     grad = tables.grads[j] - tables.grads[i] + tg
     y = int(grad * tables.opt_transient)
     infl, mb = cc.in_flight[k], cc.cfg.micro_batches
-    casts = infl * unit_casts
+    casts_off = infl * unit_casts  # checkpointing keeps none in flight: the recompute makes its own, saved
     act_off = infl * a_sum
-    act_on = infl * at.stage_input[i] + a_sum
+    act_on = infl * at.stage_input[i] + a_sum + unit_casts
     top = trans if cc.capped else grad  # D <= X only where last step's gradients outlive the forward
-    d_off = min(a_sum, grad, top) if cc.fresh[k] else 0
+    d_off = min(a_sum + unit_casts, grad, top) if cc.fresh[k] else 0
     d_on = min(at.stage_input[i], grad, top) if cc.fresh[k] else 0
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
     sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
@@ -353,15 +358,17 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     q_run = infl * cc.held[j]
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
-    if st + held + max(act_off + trans - d_off + q_off + casts, y) <= cap:
+    if st + held + max(act_off + trans - d_off + q_off + casts_off, y) <= cap:
         ck, act, d, q = False, act_off, d_off, q_off
-    elif cc.checkpointing and st + held + max(act_on + trans - d_on + q_on + casts, y) <= cap:
+    elif cc.checkpointing and st + held + max(act_on + trans - d_on + q_on, y) <= cap:
         ck, act, d, q = True, act_on, d_on, q_on
     else:
         fits = False
-        ck = cc.checkpointing and act_on - d_on + q_on < act_off - d_off + q_off
+        ck = cc.checkpointing and act_on - d_on + q_on < act_off - d_off + q_off + casts_off
         act, d, q = (act_on, d_on, q_on) if ck else (act_off, d_off, q_off)
-    excess = max(0, d - trans)  # fresh gradients beyond the transient: activations freed by then
+    casts = 0 if ck else casts_off
+    excess = max(0, d - trans)  # fresh gradients beyond the transient: activations (then casts) freed by then
+    freed = min(excess, act)
     pf, pb = cc.pf, cc.pb
     f = pf[j] - pf[i]
     fb = f + (pb[j] - pb[i])
@@ -382,8 +389,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     data = w - w0
     if w < cc.data_floor:
         data, w = cc.data_floor - w, cc.data_floor
-    buf = tables.buffers[j] - tables.buffers[i] + casts  # the weight casts in flight count as buffers
+    buf = tables.buffers[j] - tables.buffers[i] + casts - (excess - freed)  # weight casts in flight: buffers
     unit, kept = (at.stage_input[i], at.stage_input[i]) if ck else (a_sum, at.alias[i])  # per micro-batch
+    redo = a_sum + unit_casts if ck else 0  # what one micro-batch's recompute saves
     return StageCost(
         index=k,
         block_start=i,
@@ -402,7 +410,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         grad_bytes=tables.grads[j] - tables.grads[i] + tg,
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
-        activation_bytes=act - excess,
+        activation_bytes=act - freed,
         transient_bytes=max(trans - d + excess, y - act - q - casts + excess),
         in_flight=infl,
         memory_bytes=(mem := st + casts + held + max(act + trans - d + q, y - casts)),
@@ -412,6 +420,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         io_bytes=held + q,
         bound_bytes=mem,
         parts=None if v == 1 else ChunkParts(
-            st, cc.batch[k] + mb * sent, unit, cc.held[j] - kept, sent, a_sum if ck else 0, trans, y, unit_casts
+            st, cc.batch[k] + mb * sent, unit, cc.held[j] - kept, sent, redo, trans, y, 0 if ck else unit_casts
         ),
     )

@@ -105,17 +105,17 @@ def solve(
                 a_sum = paj - pa[i] + sh[i]
                 x = trans(i, j)
                 y = int(gr * yf)
+                wc = pc[j] - pc[i]  # a micro-batch's weight casts ([Note: weight casts] in cost.py)
                 if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in cost.py)
                     bound = x if capped else gr
-                    d_off, d_on = min(a_sum, gr, bound), min(cin[i], gr, bound)
+                    d_off, d_on = min(a_sum + wc, gr, bound), min(cin[i], gr, bound)
                 else:
                     d_off = d_on = 0
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
-                x += infl * (pc[j] - pc[i])  # the weight casts in flight ([Note: weight casts] in cost.py)
-                if st + max(x + infl * a_sum - d_off + qj - infl * al[i], y) <= cap:
+                if st + max(x + infl * (a_sum + wc) - d_off + qj - infl * al[i], y) <= cap:
                     comp = fb
-                elif ck and st + max(x + a_sum - d_on + qj, y) <= cap:
+                elif ck and st + max(x + a_sum + wc - d_on + qj, y) <= cap:
                     comp = fb + f
                     h += hfj - hf[i]
                 else:
@@ -222,11 +222,12 @@ def solve_memory(
                 x = trans(i, j)
                 bound = x if capped else gr
                 q = infl * hd[j]
-                units = infl * a_sum - (min(a_sum, gr, bound) if fresh else 0) + q - infl * al[i]
+                wc = pc[j] - pc[i]  # [Note: weight casts] in cost.py
+                units = infl * (a_sum + wc) - (min(a_sum + wc, gr, bound) if fresh else 0) + q - infl * al[i]
                 if ck:
-                    units = min(units, a_sum - (min(cin[i], gr, bound) if fresh else 0) + q)
+                    units = min(units, a_sum + wc - (min(cin[i], gr, bound) if fresh else 0) + q)
                 st += bk + msg * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
-                w = (st + max(units + x + infl * (pc[j] - pc[i]), int(gr * yf))) / lim
+                w = (st + max(units + x, int(gr * yf))) / lim
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

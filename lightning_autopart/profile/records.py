@@ -82,8 +82,8 @@ class BlockProfile:
     curve: tuple[CostPoint, ...] = ()
     #: Time of the optimizer step over the parameters this block owns, once per step (memory bound).
     optimizer_us: float = 0.0
-    #: Autocast's low-precision copies of the block's weights, made by each forward ("-mixed"; [Note: weight
-    #: casts] in partition/cost.py).
+    #: Autocast's low-precision copies of the block's weights that each forward makes and its backward keeps
+    #: ("-mixed"; [Note: weight casts] in partition/cost.py).
     cast_bytes: int = 0
     #: Share of the bytes crossing the cut before this block that both this block and the previous one save
     #: for backward: one tensor when the two share a stage (see [Note: saved twice]).

@@ -49,7 +49,7 @@ class BlockCost:
     bwd_kernels: int
     #: Backward's transient peak beyond the saved tensors (see [Note: transient memory]).
     transient_bytes: int = 0
-    #: Autocast's weight copies, per forward ([Note: weight casts] in partition/cost.py).
+    #: Autocast's weight copies the backward keeps, per forward ([Note: weight casts] in partition/cost.py).
     cast_bytes: int = 0
     #: Names of the block's inputs and of its outputs that it saves for backward (see [Note: saved twice]).
     saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
@@ -148,7 +148,8 @@ class Runner:
         """One forward and backward under ``counter``, metering saved tensors and allocations.
 
         Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors) and
-        :attr:`cast_bytes` (autocast's weight copies, per forward; not in the saved bytes returned), see
+        :attr:`cast_bytes` (autocast's weight copies that live into the backward, per forward; not in the saved
+        bytes returned), see
         [Note: transient memory].
 
         Returns:
@@ -172,6 +173,7 @@ class Runner:
             outputs = self._live(raw)
             output_bytes = meter.nbytes_of(outputs)
             raw = None  # dead outputs are freed before backward, as a training step's are
+            casts = dict(allocations.casts)  # the copies that live into the backward (it saves them)
             counter.phase = None
             self.grads = [torch.ones_like(t) for t in outputs]
             counter.phase = "bwd"
@@ -179,9 +181,9 @@ class Runner:
             counter.phase = None
         clear_grads(self.program, self.args)
         saved = meter.nbytes
-        self.cast_bytes = sum(allocations.casts.values())
+        self.cast_bytes = sum(casts.values())
         self.transient_bytes = max(0, allocations.peak - saved)
-        casts_saved = meter.nbytes_of_keys(allocations.casts)
+        casts_saved = meter.nbytes_of_keys(casts)
         self.saved_names = (_saved(meter, self._names[0], inputs), saved_outputs)
         return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), output_bytes
 

@@ -7,8 +7,9 @@ create (a weak reference on each storage's Python object, which torch keeps for 
 meta storages too) and keeps the peak of their sum; the transient is that peak minus the bytes saved for
 backward. Parameter gradients are state, counted elsewhere: the runner gives every parameter a gradient before
 the run, so backward accumulates into it. Under autocast, ``_to_copy`` of a parameter makes the low-precision
-copy of a weight, which lives from its forward to the backward, but not through the optimizer step, so those
-bytes are reported apart (``cast_bytes``; [Note: weight casts] in partition/cost.py).
+copy of a weight. A copy the backward saves lives from its forward to the backward, but not through the
+optimizer step, so those bytes are reported apart (``cast_bytes``; [Note: weight casts] in partition/cost.py);
+a copy it does not save (a first layer's, whose input needs no gradient) dies with its operation, a transient.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class AllocationMeter(TorchDispatchMode):
         super().__init__()
         self.current = 0
         self.peak = 0
-        #: Storage keys of weight casts and their bytes.
+        #: Storage keys of the weight casts alive now and their bytes.
         self.casts: dict[int, int] = {}
         self._state = {storage_key(t) for t in state}
         self._tracked: dict[int, tuple[int, weakref.ref[Any]]] = {}
@@ -65,6 +66,7 @@ class AllocationMeter(TorchDispatchMode):
         entry = self._tracked.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
+            self.casts.pop(key, None)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

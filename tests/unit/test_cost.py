@@ -379,3 +379,32 @@ def test_weight_casts_live_per_micro_batch_in_flight_not_through_the_optimizer_s
     if schedule == "GPipe":  # a single stage runs one micro-batch at a time; a GPipe pipeline holds all four
         assert max(n for _, n in cast) == (1 if stages == 1 else 4)
     assert ranks(peaks(7, True)) == ranks(peaks(0, True))  # gone by the optimizer step
+
+
+def test_a_backward_frees_its_weight_casts_and_a_recompute_makes_its_own() -> None:
+    """[Note: weight casts]: under GPipe (every micro-batch in flight, gradients fresh) a backward frees its
+    micro-batch's weight copies with its activations before the gradients grow, so the gradients take their
+    place; a checkpointed stage keeps none between its forward and its backward, only its recompute's."""
+    casts = 30  # per block and micro-batch; one micro-batch (1 sample) saves 10 bytes a block, grads 100
+
+    def stage(cast_bytes: int, memory: int = 10**9) -> tuple[int, bool]:
+        blocks = tuple(
+            _block(n, 10.0, 0.0, act, cut=4, params=100)
+            for n, act in (("a", 20), ("b", 20 if memory == 10**9 else 20000))
+        )
+        blocks = tuple(dataclasses.replace(b, cast_bytes=cast_bytes, optimizer_bytes=0) for b in blocks)
+        prof = dataclasses.replace(PROFILE, blocks=blocks, input_bytes=0, optimizer="sgd")
+        ev = evaluate_config(CostTables(prof, _cluster(memory)), Config(1, 2, 4, "GPipe"), 4, (0, 1, 2))
+        s = ev.stages[1]
+        parts = s.param_bytes + s.grad_bytes + s.optimizer_bytes + s.buffer_bytes + s.activation_bytes
+        assert parts + s.transient_bytes + s.io_bytes == s.memory_bytes
+        return s.memory_bytes, s.checkpoint
+
+    # Plain: four micro-batches' copies (120), less the one the first backward frees: the fresh gradients'
+    # credit grows from one micro-batch's activations (10) to its activations and copies (40).
+    (plain, ck0), (cast, ck1) = stage(0), stage(casts)
+    assert not ck0 and not ck1 and cast - plain == 4 * casts - casts
+    # Checkpointed (activations of 10,000 bytes a sample do not fit four times): one recompute's copies.
+    big = stage(0)[0] + 3 * 10000
+    (plain, ck0), (cast, ck1) = stage(0, big), stage(casts, big)
+    assert ck0 and ck1 and cast - plain == casts
