@@ -1,7 +1,7 @@
 """Each pipeline rank's step peak against its stage's predicted memory, on 2 gloo ranks of this machine.
 
 Usage: ``python bench/pipeline_peak.py [--model mlp|llama|gpt2] [--cases 1F1B:4 1F1B:8 GPipe:4 Interleaved1F1B:4]
-[--batch N] [--precision 32-true|bf16-mixed|...] [--parts]`` (about 20 s a case).
+[--batch N] [--precision 32-true|bf16-mixed|...] [--spec cpu] [--parts]`` (about 20 s a case).
 
 Models: a 2-stage MLP (8 x Linear(256, 1024) + GELU + Linear(1024, 256)) with SGD (no state, so activations
 decide the peak), ``--batch`` 1,024 samples of 256 features a step; or a Hugging Face Llama or GPT-2 (4 layers,
@@ -48,7 +48,9 @@ def _causal_lm(transformers: Any, name: str) -> Any:
     raise SystemExit(f"unknown --model {name!r}; use mlp, llama or gpt2")
 
 
-def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path, precision: str = "32-true") -> None:
+def _rank(
+    model_name: str, schedule: str, micro: int, batch: int, out: Path, precision: str = "32-true", spec: str = ""
+) -> None:
     """One case, run by Lightning's launcher on every rank: writes this rank's row as JSON into ``out``."""
     import dataclasses
     import warnings
@@ -64,6 +66,10 @@ def _rank(model_name: str, schedule: str, micro: int, batch: int, out: Path, pre
     from tests.census import StepPeak, stage_buffers
 
     warnings.filterwarnings("ignore")
+    if spec:  # the spec a CPU job's estimate prices (the strategy's default is a GPU's: its kernels and lists)
+        import lightning_autopart.lightning.first_batch as first_batch
+
+        first_batch._ESTIMATE_SPEC = spec
 
     class MLP(L.LightningModule):
         def __init__(self) -> None:
@@ -129,13 +135,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--model", default="mlp", choices=("mlp", "llama", "gpt2"))
     parser.add_argument("--parts", action="store_true", help="print each prediction's parts (MB)")
     parser.add_argument("--precision", default="32-true", help="the Trainer's precision (bf16-mixed: autocast)")
+    parser.add_argument("--spec", default="", help="the device spec estimate mode prices (default: the strategy's "
+                        "a100-40gb; cpu: the CPU's attention kernels and autocast lists, which the ranks run)")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: one case, under Lightning's launcher
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batch = args.batch or (1024 if args.model == "mlp" else 16)
     if args.rank_of:
         schedule, micro = args.rank_of.split(":")
-        _rank(args.model, schedule, int(micro), args.batch, Path(args.out), args.precision)
+        _rank(args.model, schedule, int(micro), args.batch, Path(args.out), args.precision, args.spec)
         return []
     print("| schedule | micro-batches | rank | predicted MB | measured MB | predicted / measured |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + len(rows)))
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, __file__, "--rank-of", case, "--batch", str(args.batch), "--out", out]
-            command += ["--model", args.model, "--precision", args.precision]
+            command += ["--model", args.model, "--precision", args.precision, "--spec", args.spec]
             subprocess.run(command, env=env, capture_output=True, timeout=300, check=False)
             found = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
         schedule, micro = case.split(":")

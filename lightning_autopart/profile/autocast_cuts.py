@@ -9,10 +9,10 @@ place of the input, so the tensor two neighbouring blocks both save was counted 
 in bf16-mixed: 1.34x the H200's measured peak), and ops that run in their input's dtype (batch norm, ReLU)
 saved float32 activations. Scaling every cut to the compute dtype instead halved a float32 residual stream.
 
-:func:`with_autocast_dtypes` runs the blocks in order on meta under :class:`MetaAutocast` (autocast's CUDA op
-lists), each on its inputs in the dtypes the earlier blocks gave them, and returns the capture with every
-block's floating arguments and every cut in those dtypes. The profiler then runs each block on the inputs it
-really gets. Where the chain cannot run on meta, the old assumption is kept (cuts in the compute dtype,
+:func:`with_autocast_dtypes` runs the blocks in order on meta under :class:`MetaAutocast` (the autocast op
+lists of the device profiled or priced: CUDA's, or a CPU's), each on its inputs in the dtypes the earlier
+blocks gave them, and returns the capture with every block's floating arguments and every cut in those
+dtypes. The profiler then runs each block on the inputs it really gets. Where the chain cannot run on meta, the old assumption is kept (cuts in the compute dtype,
 arguments as captured) and the profile's meta says so.
 """
 
@@ -34,8 +34,9 @@ __all__ = ["autocast_dtypes", "with_autocast_dtypes"]
 _META = torch.device("meta")
 
 
-def autocast_dtypes(captured: CapturedModel, compute: torch.dtype) -> dict[str, torch.dtype]:
-    """Dtype of every floating block output under autocast to ``compute``, by name (model inputs as given).
+def autocast_dtypes(captured: CapturedModel, compute: torch.dtype, device: str = "cuda") -> dict[str, torch.dtype]:
+    """Dtype of every floating block output under ``device``'s autocast to ``compute``, by name (model inputs as
+    given).
 
     Raises whatever a block's forward raises on meta; a block whose tensor arguments or outputs do not match
     its recorded inputs or outputs one for one raises ``ValueError``."""
@@ -44,7 +45,7 @@ def autocast_dtypes(captured: CapturedModel, compute: torch.dtype) -> dict[str, 
         args = _retyped(block, dtypes, device=_META)
         program = copy_program(block.program, _META, torch.float32)
         try:
-            with torch.no_grad(), MetaAutocast(compute):
+            with torch.no_grad(), MetaAutocast(compute, device):
                 out = program(*args)
         finally:
             release_program(program, block.program)
@@ -58,13 +59,16 @@ def autocast_dtypes(captured: CapturedModel, compute: torch.dtype) -> dict[str, 
     return dtypes
 
 
-def with_autocast_dtypes(captured: CapturedModel, compute: torch.dtype) -> tuple[CapturedModel, str]:
-    """``captured`` with its blocks' floating arguments and its cuts in the dtypes autocast to ``compute``
-    gives them (a shallow copy: programs are shared, ``captured`` is left as is), and how they were found.
+def with_autocast_dtypes(
+    captured: CapturedModel, compute: torch.dtype, device: str = "cuda"
+) -> tuple[CapturedModel, str]:
+    """``captured`` with its blocks' floating arguments and its cuts in the dtypes ``device``'s autocast to
+    ``compute`` gives them (a shallow copy: programs are shared, ``captured`` is left as is), and how they were
+    found.
 
     Where the blocks cannot run on meta, the cuts are taken to be in ``compute`` (arguments as captured)."""
     try:
-        dtypes = autocast_dtypes(captured, compute)
+        dtypes = autocast_dtypes(captured, compute, device)
         how = "autocast on meta"
     except Exception as error:  # the old assumption stands, and the profile's meta says why
         dtypes = {t.name: compute for cut in captured.cuts for t in cut if _floating(t)}

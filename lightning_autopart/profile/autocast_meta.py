@@ -8,6 +8,8 @@ the float32 activations they save. :class:`MetaAutocast` applies autocast's own 
 function level, above autograd as autocast is, so the casts are ops the counters see and autograd
 differentiates: products, convolutions and attention in the low-precision dtype, the float32 list in float32,
 everything else as type promotion gives it. Casts of parameters are cached for the forward, as autocast's are.
+The lists are those of the device the estimate prices: a CPU's autocast keeps far fewer ops in float32 (no
+layer norm, softmax or ``pow``), so a GELU's intermediates that a GPU saves in float32 a CPU saves in bfloat16.
 """
 
 from __future__ import annotations
@@ -74,16 +76,41 @@ _FP32_ATEN: frozenset[Any] = frozenset(
     }
 )  # fmt: skip
 
+#: What CPU autocast leaves out of them (checked on torch 2.13): no vector products among the low-precision ops,
+#: and of the float32 ones only the losses, ``prod`` and ``cdist`` (norms, softmax and pointwise math run in
+#: their input's dtype).
+_NOT_LOW_ON_CPU: frozenset[Any] = frozenset(
+    {torch.mv, _T.mv, torch.addmv, _T.addmv, torch.addr, _T.addr, F.bilinear, torch.chain_matmul,
+     _aten.mv, _aten.addmv, _aten.addr, _aten.bilinear, _aten.chain_matmul}
+)  # fmt: skip
+_FP32_ON_CPU: frozenset[Any] = frozenset(
+    {
+        F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.kl_div, F.poisson_nll_loss,
+        F.binary_cross_entropy_with_logits, F.cosine_embedding_loss, F.margin_ranking_loss,
+        F.hinge_embedding_loss, F.soft_margin_loss, F.multi_margin_loss, F.triplet_margin_loss, torch.prod,
+        _T.prod, torch.cdist, _aten.cross_entropy_loss, _aten.nll_loss, _aten.nll_loss_forward, _aten.nll_loss2d,
+        _aten.mse_loss, _aten.l1_loss, _aten.smooth_l1_loss, _aten.kl_div, _aten.binary_cross_entropy_with_logits,
+        _aten.prod, _aten.cdist,
+    }
+)  # fmt: skip
+#: Per device type: the low-precision functions and aten packets, then the float32 ones.
+_LISTS: dict[str, tuple[frozenset[Any], frozenset[Any], frozenset[Any], frozenset[Any]]] = {
+    "cuda": (_LOW, _LOW_ATEN, _FP32, _FP32_ATEN),
+    "cpu": (_LOW - _NOT_LOW_ON_CPU, _LOW_ATEN - _NOT_LOW_ON_CPU, _FP32 & _FP32_ON_CPU, _FP32_ATEN & _FP32_ON_CPU),
+}
+
 _LOW_SOURCES = frozenset({torch.float32})
 _FP32_SOURCES = frozenset({torch.bfloat16, torch.float16})
 
 
 class MetaAutocast(TorchFunctionMode):
-    """``torch.autocast(dtype=dtype)`` for meta tensors (see [Note: autocast on meta])."""
+    """``torch.autocast(device, dtype=dtype)`` for meta tensors (see [Note: autocast on meta]), with the op lists
+    of ``device`` ("cuda", or "cpu": a CPU run's)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, device: str = "cuda") -> None:
         super().__init__()
         self.dtype = dtype
+        self._low, self._low_aten, self._fp32, self._fp32_aten = _LISTS["cpu" if device == "cpu" else "cuda"]
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(
@@ -91,9 +118,9 @@ class MetaAutocast(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         packet = getattr(func, "_overloadpacket", None)
-        if func in _LOW or packet in _LOW_ATEN:
+        if func in self._low or packet in self._low_aten:
             args, kwargs = tree_map(lambda x: self._cast(x, _LOW_SOURCES, self.dtype), (args, kwargs))
-        elif func in _FP32 or packet in _FP32_ATEN:
+        elif func in self._fp32 or packet in self._fp32_aten:
             args, kwargs = tree_map(lambda x: self._cast(x, _FP32_SOURCES, torch.float32), (args, kwargs))
         return func(*args, **kwargs)
 

@@ -132,10 +132,10 @@ def _counted(
     returns them, and its (transient, cast) bytes (see estimate_block)."""
     if precision.mixed and precision.compute is not None:
         runner = Runner(block, _META, precision)  # float32 weights, autocast's casts (see MetaAutocast)
-        runner.context = partial(_mixed, precision.compute, roofline.attention)
+        runner.context = partial(_mixed, precision.compute, roofline.kernels)
     else:
         runner = Runner(block, _META, Precision(precision.name, precision.compute, precision.compute))
-        runner.context = partial(FusedAttention, roofline.attention)
+        runner.context = partial(FusedAttention, roofline.kernels)
     counter = OpCounter(roofline, keep_ops=keep_ops)
     try:
         saved = runner.counted_run(counter)
@@ -146,8 +146,9 @@ def _counted(
 
 @contextlib.contextmanager
 def _mixed(dtype: torch.dtype, kernels: str) -> Iterator[None]:
-    """Autocast to ``dtype`` on meta tensors, attention as one fused kernel (casts first, then the kernel)."""
-    with FusedAttention(kernels), MetaAutocast(dtype):
+    """Autocast to ``dtype`` on meta tensors, attention as one fused kernel (casts first, then the kernel), both
+    as the ``kernels`` device ("cuda" or "cpu") runs them."""
+    with FusedAttention(kernels), MetaAutocast(dtype, kernels):
         yield
 
 

@@ -224,8 +224,9 @@ class Roofline:
     matmul: GemmRate | None = None
     #: How convolutions run; None: at ``flops_per_us``, no tiles.
     conv: GemmRate | None = None
-    #: Whose attention kernels the estimate prices: "cuda" or "cpu" (the "cpu" spec; see ``FusedAttention``).
-    attention: str = "cuda"
+    #: Whose kernels the estimate prices, "cuda" or "cpu" (the "cpu" spec): attention's (``FusedAttention``) and
+    #: autocast's op lists (``MetaAutocast``).
+    kernels: str = "cuda"
 
     @classmethod
     def of(
@@ -264,7 +265,7 @@ class Roofline:
             launch_us=spec.launch_us,
             matmul=rate(tf32),
             conv=rate(conv_tf32),
-            attention="cpu" if spec.name == "cpu" else "cuda",
+            kernels="cpu" if spec.name == "cpu" else "cuda",
         )
 
     def gemm_us(self, gemm: Gemm) -> tuple[float, float]:

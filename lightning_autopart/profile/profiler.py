@@ -142,12 +142,6 @@ def profile(
     precision = parse_precision(dtype, captured.module)
     indices = _block_indices(blocks, captured.num_blocks)
     memory, tied = account_memory(captured, precision.param, factor)
-    cut_dtype, cut_note = precision.compute, None  # the dtype cuts are held in (None: each one's own)
-    if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
-        captured, cut_note = with_autocast_dtypes(captured, precision.compute)
-        twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute)[0]
-        cut_dtype = None
-
     meta: dict[str, Any] = {
         "num_blocks": captured.num_blocks,
         "profiled_blocks": indices,
@@ -157,7 +151,6 @@ def profile(
         "torch": torch.__version__,
         "tf32_matmuls": tf32_matmuls(),  # float32 products on TF32 tensor cores (estimates assume what torch does)
         "tf32_convolutions": tf32_convolutions(),
-        **({"cut_dtypes": cut_note} if cut_note else {}),
     }
     rng_devices: list[torch.device] = []
     if mode == "measure":
@@ -185,6 +178,12 @@ def profile(
             launch_us=chosen.launch_us,
         )
 
+    cut_dtype = precision.compute  # the dtype cuts are held in (None: each one's own)
+    if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
+        kind = "cpu" if (dev.type == "cpu" if mode == "measure" else chosen.name == "cpu") else "cuda"
+        captured, meta["cut_dtypes"] = with_autocast_dtypes(captured, precision.compute, kind)
+        twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute, kind)[0]
+        cut_dtype = None
     records: list[BlockProfile] = []
     per_block: list[dict[str, Any]] = []
     with torch.random.fork_rng(devices=rng_devices):

@@ -65,3 +65,31 @@ def test_estimate_meters_what_cpu_autocast_does() -> None:
     # the two weights' copies, which the backward keeps (for the inputs' gradients); not the biases' (dead at once)
     assert all(b.cast_bytes == 64 * 256 * 2 * 2 for b in meta.blocks)
 
+
+class _Gelu(nn.Module):
+    """A tanh GELU written out as Hugging Face's ``gelu_new`` is (``pow`` on CUDA's float32 list, not the
+    CPU's), then a softmax on its bfloat16 output (also float32 on CUDA only)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        g = 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return torch.softmax(g, dim=-1)
+
+
+def test_estimate_follows_the_op_lists_of_the_device_it_prices() -> None:
+    """A CPU's autocast keeps ``pow`` and softmax in bfloat16, a GPU's in float32: estimated with the "cpu"
+    spec, a block saves and hands on what a real CPU run does; with a GPU's, what the GPU does (more)."""
+    model = nn.Sequential(nn.Linear(64, 64), _Gelu(64), nn.Linear(256, 64))
+    cap = capture(model, (torch.randn(16, 64),), max_blocks=3)
+    real = profile(cap, device="cpu", dtype="bf16-mixed", repeats=1)
+    cpu = profile(cap, "estimate", spec="cpu", dtype="bf16-mixed")
+    gpu = profile(cap, "estimate", spec="h100", dtype="bf16-mixed")
+    assert [b.activation_bytes for b in cpu.blocks] == [b.activation_bytes for b in real.blocks]
+    assert [b.cut_bytes for b in cpu.blocks] == [b.cut_bytes for b in real.blocks]
+    assert [b.cast_bytes for b in cpu.blocks] == [b.cast_bytes for b in real.blocks]
+    assert gpu.blocks[1].activation_bytes > cpu.blocks[1].activation_bytes
+    assert gpu.blocks[1].cut_bytes == 2 * cpu.blocks[1].cut_bytes  # the softmax's output: float32 on a GPU

@@ -140,22 +140,23 @@ CASES: dict[str, tuple[Callable[[], Any], str, Callable[[Any], optim.Optimizer],
 }  # fmt: skip
 
 
-def predicted_peak(make: Callable[[], L.LightningModule], batch: Any, precision: str) -> int:
-    """Estimate mode's peak for one device of an H100 spec, the module built on meta and planned as the strategy
-    plans it: its ``training_step`` and loss found, its own optimizer measured as a GPU steps it."""
+def predicted_peak(make: Callable[[], L.LightningModule], batch: Any, precision: str, spec: str = "h100") -> int:
+    """Estimate mode's peak for one device of ``spec`` (an H100's by default: its kernels and autocast lists),
+    the module built on meta and planned as the strategy plans it: its ``training_step`` and loss found, its own
+    optimizer measured as a GPU steps it."""
     torch.manual_seed(0)
     with torch.device("meta"):
         lm = make()
-    spec = optimizer_spec([lm.configure_optimizers()], gpu=True)
+    step = optimizer_spec([lm.configure_optimizers()], gpu=True)
     batch = meta_inputs(batch)
     call = find_forward(lm, lambda: lm.training_step(batch, 0))
     root = lm.get_submodule(call.name) if call.name else lm
     size = batch_size_of(batch)
     prof = profile_model(
-        root, (call.args, call.kwargs), profile="estimate", spec="h100", optimizer=spec, up_to=size,
+        root, (call.args, call.kwargs), profile="estimate", spec=spec, optimizer=step, up_to=size,
         loss=step_loss(lm, call.name, batch, size), dtype=precision,
     )  # fmt: skip
-    cluster = Cluster.from_spec("h100", devices=1)
+    cluster = Cluster.from_spec(spec, devices=1)
     plan = partition(prof, cluster, size, num_stages=1, micro_batches=1, checkpointing=False)
     return plan.prediction.peak_memory_bytes
 
