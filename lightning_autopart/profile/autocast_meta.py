@@ -7,7 +7,8 @@ of a 52 ms GPT-2 bf16-mixed step in ``copy_``), the float32 ops it keeps (layer 
 the float32 activations they save. :class:`MetaAutocast` applies autocast's own op lists at the ``torch``
 function level, above autograd as autocast is, so the casts are ops the counters see and autograd
 differentiates: products, convolutions and attention in the low-precision dtype, the float32 list in float32,
-everything else as type promotion gives it. Casts of parameters are cached for the forward, as autocast's are.
+everything else as type promotion gives it. Every use of a parameter is cast afresh, as Lightning's autocast
+(``cache_enabled=False``) does: a weight a loop applies T times leaves T copies for the backward.
 The lists are those of the device the estimate prices: a CPU's autocast keeps far fewer ops in float32 (no
 layer norm, softmax or ``pow``), so a GELU's intermediates that a GPU saves in float32 a CPU saves in bfloat16.
 """
@@ -111,7 +112,6 @@ class MetaAutocast(TorchFunctionMode):
         super().__init__()
         self.dtype = dtype
         self._low, self._low_aten, self._fp32, self._fp32_aten = _LISTS["cpu" if device == "cpu" else "cuda"]
-        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -127,10 +127,4 @@ class MetaAutocast(TorchFunctionMode):
     def _cast(self, x: Any, sources: frozenset[torch.dtype], dtype: torch.dtype) -> Any:
         if not isinstance(x, torch.Tensor) or x.dtype not in sources:
             return x
-        if not (x.is_leaf and x.requires_grad):
-            return x.to(dtype)
-        cached = self._cache.get(id(x))
-        if cached is None or cached[0] is not x or cached[1].dtype != dtype:
-            cached = (x, x.to(dtype))  # the source is kept with its copy: its id cannot be reused meanwhile
-            self._cache[id(x)] = cached
-        return cached[1]
+        return x.to(dtype)

@@ -105,7 +105,8 @@ class Runner:
         self.context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         if precision.mixed and precision.compute is not None and device.type != "meta":
             compute = precision.compute
-            self.context = lambda: torch.autocast(device.type, dtype=compute)
+            # as Lightning's MixedPrecision runs it: no cache, each use of a weight makes its own copy
+            self.context = lambda: torch.autocast(device.type, dtype=compute, cache_enabled=False)
         self.grads: list[torch.Tensor] = []
         #: Backward's transient peak and autocast's weight copies, from the last :meth:`counted_run`.
         self.transient_bytes = 0

@@ -42,7 +42,8 @@ def test_ops_take_autocasts_dtypes_on_meta() -> None:
     assert (x + y).dtype == torch.float32  # everything else: type promotion
 
 
-def test_a_weight_used_twice_is_cast_once_per_forward() -> None:
+def test_a_weight_used_twice_is_cast_at_each_use() -> None:
+    """Lightning's autocast runs with its cache off, so each use of a weight makes its own copy."""
     with torch.device("meta"):
         lin, x = nn.Linear(16, 16), torch.empty(2, 16)
     counter = OpCounter(keep_ops=True)
@@ -50,7 +51,31 @@ def test_a_weight_used_twice_is_cast_once_per_forward() -> None:
         counter.phase = "fwd"
         lin(lin(x))
     casts = [o for o in counter.ops if o.op.startswith("aten._to_copy")]
-    assert len(casts) == 3  # the weight and the bias once each, and the input once
+    assert len(casts) == 5  # the weight and the bias at each use, and the input once
+
+
+class _Loop(nn.Module):
+    """One cell applied at every step of a sequence, as a hand-written recurrent network does."""
+
+    def __init__(self, width: int, steps: int) -> None:
+        super().__init__()
+        self.cell, self.steps = nn.Linear(width, width), steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.steps):
+            x = torch.tanh(self.cell(x))
+        return x
+
+
+def test_a_loop_keeps_a_weight_copy_per_step_as_lightnings_autocast_does() -> None:
+    """Under Lightning's bf16-mixed (autocast's cache off) a cell applied four times leaves four copies of its
+    weight for the backward; measure and estimate mode both price them (a cached cast would price one)."""
+    model = nn.Sequential(nn.Linear(64, 64), _Loop(64, 4))
+    cap = capture(model, (torch.randn(8, 64),), max_blocks=2)
+    real = profile(cap, device="cpu", dtype="bf16-mixed", repeats=1)
+    meta = profile(cap, "estimate", spec="cpu", dtype="bf16-mixed")
+    assert real.blocks[1].cast_bytes == meta.blocks[1].cast_bytes == 4 * 64 * 64 * 2
+    assert real.blocks[1].activation_bytes == meta.blocks[1].activation_bytes
 
 
 def test_estimate_meters_what_cpu_autocast_does() -> None:
