@@ -141,8 +141,10 @@ class Relaxation:
         hi = [0] * (nv + 1)
         pos = 0
         for s in range(1, nv + 1):
+            # Stages hold different micro-batches in flight, so a stage may not reach past the farthest end of
+            # the one before (the stage before can end earlier): only a stage that cannot end at all fails.
             j = min(n - (nv - s), self.reach(pos, room, s - 1))
-            if j <= pos:
+            if j < s:
                 return None
             hi[s] = pos = j
         if pos < n:
@@ -151,7 +153,7 @@ class Relaxation:
         lo[nv] = pos = n
         for s in range(nv - 1, -1, -1):
             i = max(s, self.start(pos, room, s))
-            if i >= pos:
+            if i > n - (nv - s):
                 return None
             lo[s] = pos = i
         if pos > 0:
@@ -195,7 +197,7 @@ class Relaxation:
                 lo = mid
             else:
                 hi, part = mid, got
-        return lo / self.cap, part
+        return lo / max(1, self.cap), part  # a limit under a byte: an interleaved share of a tiny device
 
     def lower_bound(self, upper: float = INF, rel: float = 1e-4) -> tuple[float, tuple[int, ...] | None]:
         """Bisect the smallest ``tau`` the relaxation admits (a lower bound) and the greedy partition there."""

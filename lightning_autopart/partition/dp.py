@@ -198,7 +198,7 @@ def solve_memory(
     args: list[list[int]] = []
     plo, phi = 0, 0
     for s in range(1, nv + 1):
-        infl, fresh, lim, bk = cc.in_flight[s - 1], cc.fresh[s - 1], cc.limit[s - 1], batch[s - 1]
+        infl, fresh, lim, bk = cc.in_flight[s - 1], cc.fresh[s - 1], max(1, cc.limit[s - 1]), batch[s - 1]
         cur = [INF] * (n + 1)
         arg = [-1] * (n + 1)
         first = last = -1

@@ -292,6 +292,35 @@ def test_dp_avoids_a_heavy_cut() -> None:
     assert got[0] == pytest.approx(evaluate_config(tables, cfg, 4, got[1]).step_us)
 
 
+def test_a_block_that_fits_only_where_fewer_micro_batches_are_in_flight() -> None:
+    """1F1B with 3 stages and 3 micro-batches holds 3, 2 and 1 in flight. A 500-byte block fits a 600-byte
+    device only on the last stage; a 100-byte one fits anywhere. The farthest first stage (blocks 0-1) leaves the
+    second nothing it can hold, yet the plan exists: the relaxation's bands must not rule it out."""
+    blocks = tuple(
+        BlockProfile(f"b{k}", (f"b{k}",), (), 0, 0, 0, 0, 0, 10.0, 20.0, 0.0, 0.0, act, 0)
+        for k, act in enumerate((0, 100, 500, 0))
+    )
+    prof = ModelProfile("Chain", blocks, 1, 0)
+    cl = Cluster(1, 3, 600, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0)
+    tables = CostTables(prof, cl)
+    cfg = Config(1, 3, 3, "1F1B")
+    assert Relaxation(tables, cfg, 3, checkpointing=False).bands(INF) is not None
+    got = solve(tables, config_costs(tables, cfg, 3, checkpointing=False))
+    assert got is not None and got[1] == (0, 1, 2, 4)  # the only one without recomputing
+    assert evaluate_config(tables, cfg, 3, got[1], checkpointing=False).fits
+
+
+def test_a_device_too_small_for_a_chunks_byte_is_refused_not_divided_by() -> None:
+    """Interleaved chunks share a device: on a 1-byte device one gets no byte. Nothing fits, and the closest
+    plan's search (memory over limit) must still run."""
+    blocks = tuple(BlockProfile(f"b{k}", (f"b{k}",), (), 0, 0, 0, 0, 0, 1.0, 2.0, 0.0, 0.0, 8, 1) for k in range(4))
+    prof = ModelProfile("Chain", blocks, 1, 0)
+    cl = Cluster(1, 2, 1, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0)
+    with pytest.raises(PlanError) as got:
+        partition(prof, cl, 4, schedules=("GPipe", "1F1B", "Interleaved1F1B"), max_micro_batches=4)
+    assert got.value.closest is not None
+
+
 def test_tau_prunes_but_keeps_equal_values() -> None:
     prof = _chain([1, 1, 1, 1, 1, 1], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     cl = Cluster(1, 3, 10**12, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0)
