@@ -201,16 +201,19 @@ def _loss_reads(captured: CapturedModel, loss: LossFn) -> tuple[bool, ...] | Non
 
 
 def _mark_dead_outputs(captured: CapturedModel, reads: tuple[bool, ...] | None) -> None:
-    """Set each block's ``dead_outputs``: the model outputs that ``reads`` says the loss does not read and that
-    no later block uses (see ``Block.dead_outputs``)."""
+    """Set each block's ``dead_outputs`` (see ``Block.dead_outputs``): the model outputs that ``reads`` says the
+    loss does not read, and the values that only blocks with no live output use (a pooling head the loss
+    skips, split over several blocks), unless a block with a live output uses them too."""
     outputs = captured.cuts[-1]
     if reads is None or len(reads) != len(outputs):
         return
-    unread = {info.name for info, read in zip(outputs, reads, strict=True) if not read}
-    later: set[str] = set()
+    read = {info.name for info, r in zip(outputs, reads, strict=True) if r}
+    needed: set[str] = set()  # what the live blocks after this one read
     for block in reversed(captured.blocks):
-        block.dead_outputs = frozenset(o.name for o in block.outputs if o.name in unread and o.name not in later)
-        later.update(t.name for t in block.inputs)
+        live = {o.name for o in block.outputs if o.name in read or o.name in needed}
+        block.dead_outputs = frozenset(o.name for o in block.outputs if o.name not in live)
+        if live or not block.outputs:
+            needed.update(t.name for t in block.inputs)
 
 
 def _shapes_at(a: CapturedModel, b: CapturedModel, n: int) -> list[tuple[int, ...]]:

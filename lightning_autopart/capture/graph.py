@@ -91,8 +91,10 @@ class Block:
     #: Number of tensor operations in the block (kernel launches, for the fixed-cost model).
     op_count: int
     #: Names of ``outputs`` that nothing downstream differentiates: model outputs the training loss does not
-    #: read and no later block uses (a Hugging Face model's logits beside the loss it computes). Profilers give
-    #: them no gradient and free them before backward, as training does (set by the planner, see
+    #: read (a Hugging Face model's logits beside the loss it computes, a pooled output beside the hidden states
+    #: the loss reads), and values only blocks with no live output use. Profilers give them no gradient and free
+    #: them before backward, as training does; a block all of whose outputs are dead gives its parameters no
+    #: gradient, so the optimizer keeps no state for them (set by the planner, see
     #: :func:`lightning_autopart.planner.profile_model`).
     dead_outputs: frozenset[str] = frozenset()
     #: The block's program in evaluation mode, where the model's forward branches on the mode in Python

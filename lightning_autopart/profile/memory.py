@@ -23,6 +23,10 @@ class BlockMemory:
     grad_bytes: int
     optimizer_bytes: int
     buffer_bytes: int
+    #: Gradient bytes and tensors the optimizer steps: the trainable parameters the loss reaches (one that only
+    #: blocks with no live output use gets no gradient, and the optimizer skips it and keeps no state for it).
+    stepped_bytes: int = 0
+    stepped_tensors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +85,16 @@ def account_memory(
                 note(pos, *resolve(name, params, True), order[pos])
 
     owner = {key: min(blocks) for key, blocks in users.items() if blocks}
+    # a block whose every output is dead (Block.dead_outputs) passes no gradient to its parameters; the
+    # gradient buffers stay priced (replicas' buckets hold them), the optimizer's state does not
+    dead = {pos for pos, b in enumerate(captured.blocks) if b.outputs and len(b.dead_outputs) == len(b.outputs)}
     memory = []
     for pos in range(len(captured.blocks)):
-        owned = [states[k] for k in order[pos] if owner[k] == pos]
+        keys = [k for k in order[pos] if owner[k] == pos]
+        owned = [states[k] for k in keys]
         param_bytes = sum(s.nbytes for s in owned)
         trainable = sum(s.nbytes for s in owned if s.trainable)
+        stepped = [states[k] for k in keys if states[k].trainable and not dead.issuperset(users[k])]
         numels = [_numel(s.shape) for s in owned]
         memory.append(
             BlockMemory(
@@ -93,8 +102,10 @@ def account_memory(
                 param_count=sum(numels),
                 param_bytes=param_bytes,
                 grad_bytes=trainable,
-                optimizer_bytes=int(trainable * optimizer_factor),
+                optimizer_bytes=int(sum(s.nbytes for s in stepped) * optimizer_factor),
                 buffer_bytes=sum(states[k].nbytes for k in buffer_order[pos] if owner[k] == pos),
+                stepped_bytes=sum(s.nbytes for s in stepped),
+                stepped_tensors=len(stepped),
             )
         )
     param_keys = {k for keys in order for k in keys}

@@ -159,6 +159,7 @@ def profile(
         chosen = resolve_spec(spec, dev)
         device_name = str(dev)
         gpu = dev.type == "cuda"
+        kernels = "cuda" if gpu else "cpu"  # whose autocast lists the cuts follow: the device measured
         meta.update(
             warmup=warmup, repeats=repeats, timer="cuda_event" if dev.type == "cuda" else "perf_counter"
         )
@@ -168,6 +169,7 @@ def profile(
         chosen = resolve_spec(spec, None if spec is not None or on_meta else _resolve_device(device))
         gpu = chosen.name != "cpu"
         roofline = Roofline.of(chosen, precision.compute_name, waves=True)
+        kernels = roofline.kernels  # the device priced
         device_name = chosen.name
         meta.update(
             spec=chosen.name,
@@ -180,9 +182,8 @@ def profile(
 
     cut_dtype = precision.compute  # the dtype cuts are held in (None: each one's own)
     if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
-        kind = "cpu" if (dev.type == "cpu" if mode == "measure" else chosen.name == "cpu") else "cuda"
-        captured, meta["cut_dtypes"] = with_autocast_dtypes(captured, precision.compute, kind)
-        twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute, kind)[0]
+        captured, meta["cut_dtypes"] = with_autocast_dtypes(captured, precision.compute, kernels)
+        twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute, kernels)[0]
         cut_dtype = None
     records: list[BlockProfile] = []
     per_block: list[dict[str, Any]] = []
@@ -206,8 +207,8 @@ def profile(
                 ) from err
             cut_bytes = sum(scaled_nbytes(t, cut_dtype) for t in captured.cuts[index])
             own = memory[index]
-            step_us = optimizer_step_us(optimizer, own.grad_bytes, len(own.param_shapes), chosen, gpu)
-            add_us = accumulate_us(own.grad_bytes, len(own.param_shapes), chosen)
+            step_us = optimizer_step_us(optimizer, own.stepped_bytes, own.stepped_tensors, chosen, gpu)
+            add_us = accumulate_us(own.stepped_bytes, own.stepped_tensors, chosen)
             record = _record(block.name, block.modules, own, cost, cut_bytes, (step_us, add_us))
             if twin is not None:
                 record = _with_curve(record, captured, twin, index, precision, roofline, sizes, cut_dtype)

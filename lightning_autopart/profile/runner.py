@@ -150,8 +150,7 @@ class Runner:
 
         Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors) and
         :attr:`cast_bytes` (autocast's weight copies that live into the backward, per forward; not in the saved
-        bytes returned), see
-        [Note: transient memory].
+        bytes returned), see [Note: transient memory].
 
         Returns:
             Bytes saved for backward (weight casts excluded), and the parts of them that are the block's inputs
@@ -174,6 +173,8 @@ class Runner:
             outputs = self._live(raw)
             output_bytes = meter.nbytes_of(outputs)
             raw = None  # dead outputs are freed before backward, as a training step's are
+            if self._dead:  # and with them what only they needed: their part of the graph and its saves
+                meter.forget_freed()
             casts = dict(allocations.casts)  # the copies that live into the backward (it saves them)
             counter.phase = None
             self.grads = [torch.ones_like(t) for t in outputs]

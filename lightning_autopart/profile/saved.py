@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ class SavedTensorMeter:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._exclude = {storage_key(t) for t in exclude}
         self._saved: dict[int, int] = {}
+        self._holders: dict[int, list[weakref.ref[_Saved]]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -42,21 +44,41 @@ class SavedTensorMeter:
         """Bytes saved so far whose storage key (see :func:`storage_key`) is among ``keys``."""
         return sum(self._saved.get(key, 0) for key in set(keys))
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """Record ``t`` (once per storage) and save it unchanged."""
+    def pack(self, t: torch.Tensor) -> _Saved:
+        """Record ``t`` (once per storage) and save it unchanged, in a holder that lives as long as the graph
+        node that saved it (see :meth:`forget_freed`)."""
         key = storage_key(t)
-        if key not in self._exclude and key not in self._saved:
-            try:
-                self._saved[key] = int(t.untyped_storage().nbytes())
-            except (RuntimeError, NotImplementedError):
-                self._saved[key] = t.numel() * t.element_size()
-        return t
+        holder = _Saved(t.detach())  # detached: a saved output would otherwise keep its own node alive
+        if key not in self._exclude:
+            if key not in self._saved:
+                try:
+                    self._saved[key] = int(t.untyped_storage().nbytes())
+                except (RuntimeError, NotImplementedError):
+                    self._saved[key] = t.numel() * t.element_size()
+            self._holders.setdefault(key, []).append(weakref.ref(holder))
+        return holder
 
     @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
+    def unpack(holder: _Saved) -> torch.Tensor:
         """Hand the saved tensor back unchanged."""
-        return t
+        return holder.tensor
+
+    def forget_freed(self) -> None:
+        """Stop counting what no graph node saves any more: the saves of a forward's part whose outputs were
+        dropped before backward (outputs nothing differentiates), freed with its graph as in training."""
+        for key, holders in self._holders.items():
+            if key in self._saved and all(ref() is None for ref in holders):
+                del self._saved[key]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that meters a forward."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Saved:
+    """A saved tensor as its graph node keeps it: the holder dies with the node, the tensor may live on."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor

@@ -61,3 +61,73 @@ def test_outputs_the_loss_reads_keep_their_gradient() -> None:
     read = profile_model(model.to("meta"), (x, labels.to("meta")), profile="estimate", spec="h100", loss=outside)
     unread = profile_model(model, (x, labels.to("meta")), profile="estimate", spec="h100", loss=_loss)
     assert read.blocks[-1].transient_bytes > unread.blocks[-1].transient_bytes
+
+
+class _Pooled(nn.Module):
+    """A trunk, a pooling head of three modules (a SigLIP-style head) and a last layer after it, returning
+    (hidden states, pooled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 16))
+        self.last = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.trunk(x)
+        pooled = self.head(hidden.mean(dim=0, keepdim=True))
+        return self.last(hidden), pooled
+
+
+def _hidden_loss(output: Any, samples: int) -> torch.Tensor:
+    return output[0].square().mean()
+
+
+def _both_loss(output: Any, samples: int) -> torch.Tensor:
+    return output[0].square().mean() + output[1].square().mean()
+
+
+@pytest.mark.parametrize("mode", ["estimate", "measure"])
+def test_a_head_the_loss_skips_keeps_no_optimizer_state_and_no_saves(mode: str) -> None:
+    """Plain training gives a head whose output the loss skips no gradient: the optimizer keeps no state for
+    it, and its saves go with its graph when the output is dropped. A head split over several blocks counts
+    whole: the blocks that feed only it are dead too."""
+    torch.manual_seed(0)
+    device = "meta" if mode == "estimate" else "cpu"
+    x = torch.randn(16, 32, device=device)
+    spec = "h100" if mode == "estimate" else None
+    profiles = {
+        name: profile_model(_Pooled().to(device), (x,), profile=mode, spec=spec, optimizer="adam", loss=loss)
+        for name, loss in (("skipped", _hidden_loss), ("read", _both_loss))
+    }
+    for name, prof in profiles.items():
+        head = [b for b in prof.blocks if b.name.startswith("head")]
+        trunk = [b for b in prof.blocks if not b.name.startswith("head")]
+        assert len(head) >= 2 and len(trunk) >= 2 and prof.blocks[-1].name == "last", [b.name for b in prof.blocks]
+        for b in trunk:
+            assert b.optimizer_bytes == 2 * b.param_bytes and b.optimizer_us >= 0, (name, b.name)
+        for b in head:  # gradient buffers stay priced: replicas' buckets hold them
+            assert b.grad_bytes == b.param_bytes, (name, b.name)
+            if name == "skipped":
+                assert (b.optimizer_bytes, b.activation_bytes, b.optimizer_us) == (0, 0, 0.0), b
+            else:
+                assert b.optimizer_bytes == 2 * b.param_bytes, (name, b.name)
+    assert any(b.activation_bytes > 0 for b in profiles["read"].blocks if b.name.startswith("head"))
+
+
+def test_the_meter_forgets_what_a_dropped_graph_saved() -> None:
+    """Saves of a part of the forward whose output is dropped are freed with it, a saved output included (a
+    meter that kept the output itself would keep its own node alive)."""
+    from lightning_autopart.profile.saved import SavedTensorMeter
+
+    x = torch.randn(64, 64, requires_grad=True)
+    meter = SavedTensorMeter()
+    with meter.hooks():
+        kept = (x * 2).exp()  # exp saves its output
+        dropped = x.tanh().exp()  # tanh and exp save their outputs
+    assert meter.nbytes == 3 * 64 * 64 * 4
+    del dropped
+    meter.forget_freed()
+    assert meter.nbytes == 64 * 64 * 4
+    kept.sum().backward()  # what the meter hands back still differentiates
+    assert torch.allclose(x.grad, 2 * (2 * x.detach()).exp())
