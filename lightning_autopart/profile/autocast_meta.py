@@ -34,6 +34,8 @@ _LOW: frozenset[Any] = frozenset(
         torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm,
         torch.mv, _T.mv, torch.addmm, _T.addmm, torch.baddbmm, _T.baddbmm, torch.addbmm, _T.addbmm,
         torch.addmv, _T.addmv, torch.addr, _T.addr, torch.chain_matmul, torch.linalg.multi_dot,
+        # products autocast lists, or reaches through the products they decompose into
+        torch.einsum, torch.tensordot, torch.linalg.vecdot,
     }
 )  # fmt: skip
 
@@ -62,6 +64,7 @@ _LOW_ATEN: frozenset[Any] = frozenset(
         _aten.baddbmm, _aten.addbmm, _aten.addmv, _aten.addr, _aten.chain_matmul, _aten.linalg_multi_dot,
         _aten.conv1d, _aten.conv2d, _aten.conv3d, _aten.conv_transpose1d, _aten.conv_transpose2d,
         _aten.conv_transpose3d, _aten.convolution, _aten._convolution, _aten.scaled_dot_product_attention,
+        _aten.einsum, _aten.tensordot, _aten.linalg_vecdot,
     }
 )  # fmt: skip
 _FP32_ATEN: frozenset[Any] = frozenset(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,3 +119,31 @@ def test_estimate_follows_the_op_lists_of_the_device_it_prices() -> None:
     assert [b.cast_bytes for b in cpu.blocks] == [b.cast_bytes for b in real.blocks]
     assert gpu.blocks[1].activation_bytes > cpu.blocks[1].activation_bytes
     assert gpu.blocks[1].cut_bytes == 2 * cpu.blocks[1].cut_bytes  # the softmax's output: float32 on a GPU
+
+
+class _Einsum(nn.Module):
+    """Funnel-style relative attention: an einsum of a float32 sum (activations plus a float32 bias) and a
+    bfloat16 product; autocast casts both to bfloat16 through the products einsum decomposes into."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(width, width), nn.Linear(width, width)
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("bid,bjd->bij", x + self.bias, self.k(x))
+        return torch.tensordot(scores, self.q(x), dims=([2], [1])).sum(dim=2)
+
+
+@pytest.mark.parametrize("spec", ["cpu", "h100"])
+def test_an_einsum_of_mixed_dtypes_is_cast_as_autocast_casts_it(spec: str) -> None:
+    """Estimate mode ran ``einsum`` as called: with one float32 operand and one bfloat16, meta's ``bmm`` refused
+    the mix (Funnel in bf16-mixed). It is a product autocast casts; the estimate saves what a CPU run saves."""
+    model = nn.Sequential(nn.Linear(32, 32), _Einsum(32), nn.Linear(32, 32))
+    cap = capture(model, (torch.randn(4, 8, 32),), max_blocks=3)
+    estimated = profile(cap, "estimate", spec=spec, dtype="bf16-mixed")
+    if spec == "cpu":
+        real = profile(cap, device="cpu", dtype="bf16-mixed", repeats=1)
+        assert [b.activation_bytes for b in estimated.blocks] == [b.activation_bytes for b in real.blocks]
+        assert [b.cut_bytes for b in estimated.blocks] == [b.cut_bytes for b in real.blocks]
+
