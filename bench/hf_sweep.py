@@ -83,6 +83,59 @@ SWEEP: dict[str, Architecture] = {
         "conv_dim": (16, 16), "conv_stride": (5, 2), "conv_kernel": (10, 3), "num_conv_pos_embeddings": 16,
         "num_conv_pos_embedding_groups": 4, "vocab_size": 32, "do_stable_layer_norm": True,
     }, {"input_values": (4, 400)}),
+    # thirty-first session: newer decoders, mixtures of experts, a hybrid with Mamba layers, encoders, vision
+    "gemma3": Architecture("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_GQA, "head_dim": 8, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+    }, _TOKENS),
+    "qwen3_moe": Architecture("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        **_GQA, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    }, _TOKENS),
+    "modernbert": Architecture("ModernBertConfig", "ModernBertForMaskedLM", {
+        **SMALL, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2,
+    }, _PADDED),
+    "olmo2": Architecture("Olmo2Config", "Olmo2ForCausalLM", _GQA, _TOKENS),
+    "gpt_oss": Architecture("GptOssConfig", "GptOssForCausalLM", {
+        **_GQA, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }, _TOKENS),
+    "deepseek_v3": Architecture("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **SMALL, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+    }, _TOKENS),
+    "granite": Architecture("GraniteConfig", "GraniteForCausalLM", _GQA, _TOKENS),
+    "smollm3": Architecture("SmolLM3Config", "SmolLM3ForCausalLM", {**_GQA, "pad_token_id": 0}, _TOKENS),
+    "glm4": Architecture("Glm4Config", "Glm4ForCausalLM", {**_GQA, "head_dim": 8, "pad_token_id": 0}, _TOKENS),
+    "jamba": Architecture("JambaConfig", "JambaForCausalLM", {
+        **_GQA, "num_experts": 2, "num_experts_per_tok": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+        "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 4,
+    }, _TOKENS),
+    "siglip_vision": Architecture("SiglipVisionConfig", "SiglipVisionModel", {
+        **_VISION, "num_attention_heads": 4, "intermediate_size": 64,
+    }, _IMAGES),
+    "vitmae": Architecture("ViTMAEConfig", "ViTMAEForPreTraining", {
+        **_VISION, "num_attention_heads": 4, "intermediate_size": 64, "decoder_hidden_size": 32,
+        "decoder_num_hidden_layers": 1, "decoder_num_attention_heads": 4, "decoder_intermediate_size": 64,
+    }, _IMAGES),
+    "mpnet": Architecture("MPNetConfig", "MPNetForMaskedLM", {**SMALL, "max_position_embeddings": 40}, _PADDED),
+    "funnel": Architecture("FunnelConfig", "FunnelForMaskedLM", {
+        "d_model": 32, "n_head": 4, "d_head": 8, "d_inner": 64, "block_sizes": [1, 1], "vocab_size": 64,
+    }, _PADDED),
+    "levit": Architecture("LevitConfig", "LevitForImageClassification", {
+        "image_size": 64, "hidden_sizes": [32, 48, 64], "num_attention_heads": [2, 3, 4], "depths": [1, 1, 1],
+        "key_dim": [8, 8, 8],
+    }, {"pixel_values": (4, 3, 64, 64)}),
+    "mpt": Architecture("MptConfig", "MptForCausalLM", {
+        "d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "max_seq_len": 32, "expansion_ratio": 2,
+    }, _TOKENS),
+    "codegen": Architecture("CodeGenConfig", "CodeGenForCausalLM", {
+        "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32, "rotary_dim": 4,
+    }, _TOKENS),
+    "hubert": Architecture("HubertConfig", "HubertForCTC", {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+        "conv_dim": (16, 16), "conv_stride": (5, 2), "conv_kernel": (10, 3), "num_conv_pos_embeddings": 16,
+        "num_conv_pos_embedding_groups": 4, "vocab_size": 32,
+    }, {"input_values": (4, 400)}),
 }  # fmt: skip
 
 

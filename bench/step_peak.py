@@ -3,7 +3,7 @@ architecture of ``tests/hf_architectures.py``.
 
 Usage: ``python bench/step_peak.py [--widen 8] [--precisions 32-true bf16-true] [--optimizer adamw]
 [--archs qwen3 bart ...] [--sweep] [--spec h100|cpu]`` (about 3 minutes for all, on two cores). ``--sweep`` runs
-the 20 architectures of ``bench/hf_sweep.py`` instead (models the test tier does not build). ``--spec cpu``
+the 38 architectures of ``bench/hf_sweep.py`` instead (models the test tier does not build). ``--spec cpu``
 prices the CPU's own attention kernels and autocast lists, the ones the measurement runs (a GPU's autocast
 keeps ``pow``, softmax and norms in float32; a CPU's does not).
 
