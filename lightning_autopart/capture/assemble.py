@@ -32,7 +32,7 @@ class RawBlock:
 
 
 def describe(
-    name: str, value: Any, producer: int, consumers: Sequence[int], requires_grad: bool = False
+    name: str, value: Any, producer: int, consumers: Sequence[int], requires_grad: bool = False, key: str = ""
 ) -> TensorInfo:
     """A :class:`TensorInfo` for a tensor (real, meta or fake); a non-tensor gets shape () and 0 bytes."""
     if isinstance(value, torch.Tensor):
@@ -43,7 +43,7 @@ def describe(
         shape, nbytes, dtype = (), 0, type(value).__name__
     floating = isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
     return TensorInfo(
-        name, shape, dtype, nbytes, producer, tuple(sorted(set(consumers))), requires_grad and floating
+        name, shape, dtype, nbytes, producer, tuple(sorted(set(consumers))), requires_grad and floating, key
     )
 
 
@@ -57,6 +57,7 @@ def assemble(
     split_graph: torch.fx.GraphModule | None = None,
     output: OutputSpec | None = None,
     grads: set[str] | None = None,
+    keys: dict[str, str] | None = None,
 ) -> CapturedModel:
     """Build the :class:`CapturedModel`.
 
@@ -72,6 +73,9 @@ def assemble(
         output: How the forward's output is rebuilt from its tensor leaves (default: one tensor).
         grads: Names of the values that need a gradient (default: a block's floating outputs when the block
             uses a trainable parameter or receives a value that needs one).
+        keys: Structural key of each value (export): the cuts list the model's inputs, then each block's
+            outputs in key order, alike on every rank (see [Note: rank-independent values] in
+            capture/keys.py); default: execution order.
     """
     n = len(raw)
     producer = {name: -1 for name, _ in inputs}
@@ -86,11 +90,14 @@ def assemble(
         consumers[name].append(n)
     if grads is None:
         grads = _block_grads(module, raw)
+    keys = keys or {}
     info = {
-        name: describe(name, examples[name], producer[name], consumers[name], name in grads)
+        name: describe(name, examples[name], producer[name], consumers[name], name in grads, keys.get(name, ""))
         for name in producer
     }
     order = list(info.values())  # model inputs, then block outputs in execution order
+    if keys:  # each block's outputs by key: a rank's run order within a block is its own
+        order.sort(key=lambda t: (t.producer, t.key if t.producer >= 0 else ""))
     cuts = [
         tuple(t for t in order if t.producer <= k and t.consumers and t.consumers[-1] > k)
         for k in range(n - 1)

@@ -35,6 +35,9 @@ class TensorInfo:
     consumers: tuple[int, ...]
     #: Whether the value depends on a trainable parameter (it needs a gradient where it crosses a cut).
     requires_grad: bool = False
+    #: What computes the value, alike on every rank (see [Note: rank-independent values] in capture/keys.py);
+    #: empty where the name serves (module capture names values by block and position).
+    key: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from lightning_autopart.capture.functions import watch_functions
 from lightning_autopart.capture.glue import first_line
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.host_random import watch_host_random
+from lightning_autopart.capture.keys import value_keys
 from lightning_autopart.capture.meta_layouts import meta_layouts
 from lightning_autopart.capture.mode_programs import eval_programs
 from lightning_autopart.capture.modes import eval_branches, signature
@@ -129,8 +130,9 @@ def capture_export(
     inputs_info = [(p.name, v) for p, v in zip(user_inputs, flat, strict=True)]
     out_names = [o.name for o in model_outputs if isinstance(o, fx.Node)]
     grads = _requiring_grad(ep.graph, attrs)
+    keys = value_keys(ep.graph, attrs, canonical, user_inputs)  # [Note: rank-independent values]
     captured = assemble(
-        module, "export", blocks, inputs_info, values, out_names, split_graph, found[-1], grads
+        module, "export", blocks, inputs_info, values, out_names, split_graph, found[-1], grads, keys
     )
     captured = dataclasses.replace(captured, notes=(*captured.notes, *functions.notes()))
     for note in functions.memory_notes():  # memory the user can win back: said aloud

@@ -45,8 +45,8 @@ class SavedTensorMeter:
         return sum(self._saved.get(key, 0) for key in set(keys))
 
     def pack(self, t: torch.Tensor) -> _Saved:
-        """Record ``t`` (once per storage) and save it unchanged, in a holder that lives as long as the graph
-        node that saved it (see :meth:`forget_freed`)."""
+        """Record ``t`` (once per storage) and save a detached alias of it (same storage), in a holder that
+        lives as long as the graph node that saved it (see :meth:`forget_freed`)."""
         key = storage_key(t)
         holder = _Saved(t.detach())  # detached: a saved output would otherwise keep its own node alive
         if key not in self._exclude:
@@ -60,7 +60,7 @@ class SavedTensorMeter:
 
     @staticmethod
     def unpack(holder: _Saved) -> torch.Tensor:
-        """Hand the saved tensor back unchanged."""
+        """Hand the saved alias back (autograd re-attaches what it needs)."""
         return holder.tensor
 
     def forget_freed(self) -> None:

@@ -1,0 +1,58 @@
+"""Two ranks with different string hash seeds (PYTHONHASHSEED unset gives each process its own) and models that
+loop over a set of strings, as transformers' Gemma 3 does: where only the order of independent values differs,
+the pipeline trains exactly as one process does; where the blocks differ, every rank refuses with the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed._hash_order_script import KINDS, Tables, fit
+from tests.distributed.launch import run_job
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).with_name("_hash_order_script.py")
+
+
+def _orders(seed: int) -> str:
+    code = f"K = {KINDS!r}; print(list(set(K)), list(set(K[:4])))"
+    env = {"PYTHONHASHSEED": str(seed)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+
+
+def _seeds() -> tuple[int, int]:
+    """Two hash seeds under which both sets iterate in different orders."""
+    first = _orders(1)
+    parts = first.split("] [")
+    for seed in range(2, 40):
+        other = _orders(seed).split("] [")
+        if other[0] != parts[0] and other[1] != parts[1]:
+            return 1, seed
+    raise AssertionError("no two hash seeds order the sets differently")
+
+
+def test_ranks_that_run_the_forward_in_another_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed, child = _seeds()
+    monkeypatch.setenv("PYTHONHASHSEED", str(seed))
+    code, log = run_job([str(SCRIPT), str(tmp_path), str(child)], 2, "lightning", 180)
+    assert code == 0, log[-6000:]
+    got = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)}
+    assert got[0]["order"] != got[1]["order"], "the ranks ran the loop in one order: the test proves nothing"
+
+    model, losses = fit(Tables, "auto", 1)  # the reference: one process
+    expected = dict(model.named_parameters())
+    for rank, result in got.items():
+        assert result["losses"] == pytest.approx(losses, rel=1e-6), f"rank {rank}: the losses differ"
+        for name, value in result["params"].items():
+            assert torch.allclose(value, expected[name].detach(), rtol=1e-5, atol=1e-7), f"rank {rank}: {name}"
+    assert set(got[0]["params"]) | set(got[1]["params"]) == set(expected)
+
+    for rank in range(2):  # other blocks on each rank: refused on every rank, with the fix
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "the ranks captured different graphs of Branches (ranks [1] differ from rank 0)" in message, message
+        assert "PYTHONHASHSEED=0" in message
