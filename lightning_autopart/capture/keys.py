@@ -70,12 +70,14 @@ def _described(tensors: Iterable[Any]) -> list[list[Any]]:
 
 
 def _constant(target: str, obj: Any) -> Any:
-    """A lifted constant by content where it is a small real tensor (its lifted name follows the run order)."""
-    if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and obj.numel() <= 4096:
+    """A lifted constant by content where it holds data: its lifted name follows the run order. A ``meta``
+    constant keeps its name too, so two alike in shape never share a key (a rank naming them the other way
+    round is refused, not swapped)."""
+    if isinstance(obj, torch.Tensor) and obj.device.type != "meta" and obj.layout == torch.strided:
         data = obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         return [str(obj.dtype), list(obj.shape), hashlib.sha256(data).hexdigest()]
     if isinstance(obj, torch.Tensor):
-        return [str(obj.dtype), list(obj.shape)]
+        return [str(obj.dtype), list(obj.shape), target]
     return target
 
 
