@@ -23,7 +23,7 @@ from torch import fx
 
 from lightning_autopart.capture.graph import CapturedModel
 
-__all__ = ["layout_digest", "value_keys"]
+__all__ = ["layout_digest", "registration_digest", "value_keys"]
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -63,6 +63,11 @@ def layout_digest(captured: CapturedModel) -> str:
     cuts = [_described(cut) for cut in captured.cuts]
     inputs = _described(captured.inputs)
     return _digest([captured.method, inputs, blocks, cuts])
+
+
+def registration_digest(module: torch.nn.Module) -> str:
+    """A digest of the order ``module`` registers its parameters in, which replicas' gradient buckets follow."""
+    return _digest([name for name, _ in module.named_parameters()])
 
 
 def _described(tensors: Iterable[Any]) -> list[list[Any]]:

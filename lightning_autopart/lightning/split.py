@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_autopart.capture.graph import CapturedModel
-from lightning_autopart.capture.keys import layout_digest
+from lightning_autopart.capture.keys import layout_digest, registration_digest
 from lightning_autopart.capture.modes import modules_of
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
@@ -99,8 +99,8 @@ def split_module(
         loss=step_loss(module, call.name, batch, size) if fitting else None,
     )
     captured, tied, elsewhere, in_blocks = capture_for_plan(plan, root, call, size, rank, checked)
-    if plan.num_stages > 1:
-        _check_same_layout(captured, world_size, device)
+    if world_size > 1:
+        _check_same_layout(captured, plan, world_size, device)
     materialized = None
     if has_meta_tensors(module):  # built on meta: allocate and initialise only this rank's share
         materialized = materialize(module, _kept(module, plan, captured, rank, in_blocks), init_rng)
@@ -118,25 +118,28 @@ def split_module(
     return Partition(plan, steps, in_blocks, elsewhere, pp_group, world_size, materialized)
 
 
-def _check_same_layout(captured: CapturedModel, world_size: int, device: torch.device) -> None:
-    """Refuse, on every rank alike, a pipeline whose ranks captured different blocks: their stages would
-    exchange tensors that do not match (see [Note: rank-independent values] in capture/keys.py)."""
+def _check_same_layout(captured: CapturedModel, plan: Plan, world_size: int, device: torch.device) -> None:
+    """Refuse, on every rank alike, a job whose ranks captured different blocks (their stages would exchange
+    tensors that do not match) or registered the parameters in different orders (their replicas' gradient
+    buckets would not match); see [Note: rank-independent values] in capture/keys.py."""
     if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
         return
-    mine = torch.tensor([int(layout_digest(captured)[:15], 16)], dtype=torch.int64, device=device)
+    layout = int(layout_digest(captured)[:15], 16) if plan.num_stages > 1 else 0
+    registration = int(registration_digest(captured.module)[:15], 16) if plan.replicas > 1 else 0
+    mine = torch.tensor([layout, registration], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
-    digests = [int(t.item()) for t in every]
-    if len(set(digests)) == 1:
-        return
-    apart = [r for r, d in enumerate(digests) if d != digests[0]]
     cls = type(captured.module).__name__
-    raise ConfigError(
-        f"the ranks captured different graphs of {cls} (ranks {apart} differ from rank 0), so their pipeline "
-        "stages would not fit together. Its forward runs in an order that changes from process to process, "
-        "usually a loop over a set of strings, whose order follows Python's per-process hash seed. Give "
-        "every rank the same seed: set PYTHONHASHSEED=0 in the job's environment before Python starts"
-    )
+    for i, what in enumerate(("captured different graphs of", "registered the parameters in another order in")):
+        digests = [int(t[i].item()) for t in every]
+        apart = [r for r, d in enumerate(digests) if d != digests[0]]
+        if apart:
+            raise ConfigError(
+                f"the ranks {what} {cls} (ranks {apart} differ from rank 0), so their pipeline stages and "
+                "replicas would not fit together. Its code runs in an order that changes from process to process, "
+                "usually a loop over a set of strings, whose order follows Python's per-process hash seed. Give "
+                "every rank the same seed: set PYTHONHASHSEED=0 in the job's environment before Python starts"
+            )
 
 
 def _kept(module: Any, plan: Plan, captured: Any, rank: int, in_blocks: set[int]) -> set[int]:

@@ -7,10 +7,12 @@ the order backward finishes them). Each bucket owns one flat buffer and every pa
 into it, attached before the schedule runs (zeroed, or holding the gradient the parameter already had), so
 autograd accumulates in place. A post-accumulate-grad hook counts each parameter's accumulations; when every
 parameter of a bucket has received its last micro-batch's gradient, the buffer is all-reduced asynchronously,
-in place, and divided by the replicas after the schedule. Stages are captured graphs, so every replica
-finishes its buckets in the same order; a bucket that never became ready (a parameter that got no gradient) is
-reduced after the schedule, on every replica alike, and a parameter that got no gradient and had none keeps
-``.grad`` None, as autograd leaves it.
+in place, and divided by the replicas after the schedule. The all-reduces start in bucket order, as DDP's
+do: a ready bucket waits for those before it. Every replica then issues them in one order even where its graph
+runs in another (a forward looping over a set of strings: [Note: rank-independent values] in
+capture/keys.py), and the runner lists the parameters alike on every replica (in registration order). A bucket
+that never became ready (a parameter that got no gradient) is reduced after the schedule, on every replica
+alike, and a parameter that got no gradient and had none keeps ``.grad`` None, as autograd leaves it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class GradBucket:
         self._had_grad = [False] * len(params)
         self._work: Any = None
         self._launched = False
+        self._ready = False
+        #: Every bucket of the stage, in launch order (set by :func:`make_buckets`).
+        self.queue: list[GradBucket] = [self]
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._hook(i))
 
@@ -59,7 +64,12 @@ class GradBucket:
             if self.active and self._counts[index] == self.micro_batches:
                 self._pending -= 1
                 if self._pending == 0:
-                    self._launch()
+                    self._ready = True
+                    for bucket in self.queue:  # in order, up to the first that is not ready
+                        if not bucket._ready:
+                            break
+                        if not bucket._launched:
+                            bucket._launch()
 
         return hook
 
@@ -84,6 +94,7 @@ class GradBucket:
         self._pending = len(self.params)
         self._work = None
         self._launched = False
+        self._ready = False
 
     def _launch(self) -> None:
         self._launched = True
@@ -108,7 +119,7 @@ def make_buckets(
     params: list[nn.Parameter], micro_batches: int, group: dist.ProcessGroup
 ) -> list[GradBucket]:
     """Buckets of one dtype over ``params`` in reverse order (the order backward tends to finish them): the
-    first of about FIRST_BUCKET_BYTES, the others of about BUCKET_BYTES."""
+    first of about FIRST_BUCKET_BYTES, the others of about BUCKET_BYTES, launched in that order."""
     buckets: list[GradBucket] = []
     current: dict[tuple[torch.dtype, torch.device], tuple[list[nn.Parameter], int]] = {}
     for p in reversed(params):
@@ -121,6 +132,8 @@ def make_buckets(
             buckets.append(GradBucket(members, micro_batches, group))
             del current[key]
     buckets += [GradBucket(members, micro_batches, group) for members, _ in current.values()]
+    for bucket in buckets:
+        bucket.queue = buckets
     return buckets
 
 

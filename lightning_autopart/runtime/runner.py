@@ -52,7 +52,13 @@ from lightning_autopart.runtime.buckets import GradBucket, all_reduce_mean, make
 from lightning_autopart.runtime.gradients import keep_contiguous
 from lightning_autopart.runtime.outputs import release_outputs
 from lightning_autopart.runtime.recompute import Recompute, log_recompute
-from lightning_autopart.runtime.stages import build_stage_module, stage_inputs, stage_outputs, tied_groups
+from lightning_autopart.runtime.stages import (
+    build_stage_module,
+    parameters_in_order,
+    stage_inputs,
+    stage_outputs,
+    tied_groups,
+)
 from lightning_autopart.runtime.topology import build_groups, place, tied_ranks
 from lightning_autopart.runtime.wire import WireStage, infer_wire_metadata, touch
 
@@ -118,11 +124,8 @@ class PipelineRunner:
         self._dp_group = groups.get(self.placement.dp_ranks)
         self._tied = self._tied_params(tied, captured, groups)
         tied_ids = {id(p) for p, _ in self._tied}
-        self._params = [
-            p
-            for p in dict.fromkeys(p for m in self.modules.values() for p in m.parameters())
-            if p.requires_grad and id(p) not in tied_ids
-        ]
+        mine = parameters_in_order(captured, self.modules.values())
+        self._params = [p for p in mine if p.requires_grad and id(p) not in tied_ids]
         #: The training loss of one micro-batch (see :data:`LossFn`).
         self.loss_fn = loss_fn
         self._each: Callable[[Any, torch.Tensor], None] | None = None

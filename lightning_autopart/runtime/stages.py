@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from lightning_autopart.capture.portable import MODES_ATTRIBUTE, ModeSwitch
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
 
-__all__ = ["build_stage_module", "stage_inputs", "stage_outputs", "tied_groups"]
+__all__ = ["build_stage_module", "parameters_in_order", "stage_inputs", "stage_outputs", "tied_groups"]
 
 
 def stage_inputs(captured: CapturedModel, start: int) -> tuple[TensorInfo, ...]:
@@ -76,6 +77,15 @@ def tied_groups(plan: Plan, captured: CapturedModel) -> list[tuple[str, tuple[in
         if len(stages) > 1:
             groups.append((fqn, stages))
     return groups
+
+
+def parameters_in_order(captured: CapturedModel, stages: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of ``stages``, each once, in the model's registration order (as DDP orders its
+    buckets): alike on every replica, where a stage's own order, and its blocks', follow the run order of its
+    forward ([Note: rank-independent values] in capture/keys.py)."""
+    order = {id(p): i for i, p in enumerate(captured.module.parameters())}
+    owned = dict.fromkeys(p for stage in stages for p in stage.parameters())
+    return sorted(owned, key=lambda p: order.get(id(p), len(order)))
 
 
 def _canonical(module: nn.Module) -> dict[int, str]:

@@ -3,8 +3,9 @@ PYTHONHASHSEED is unset, and the models loop over a set of strings (see [Note: r
 
 Usage: ``python tests/distributed/_hash_order_script.py OUT CHILD_SEED`` under Lightning's launcher (2 devices):
 rank 0 runs with the launch's PYTHONHASHSEED and gives rank 1 ``CHILD_SEED``. It trains :class:`Tables` (the
-order changes nothing but the graph's node names) and writes ``OUT/rank{r}.pt``, then fits :class:`Branches`
-(the order changes the blocks), which every rank must refuse: ``OUT/rank{r}.txt`` holds the error.
+order changes nothing but the graph's node names) and writes ``OUT/rank{r}.pt``, then :class:`Heads` on two
+replicas (``OUT/heads{r}.pt``), then fits :class:`Branches` (the order changes the blocks), which every rank
+must refuse: ``OUT/rank{r}.txt`` holds the error.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-__all__ = ["KINDS", "STEPS", "Branches", "Tables", "fit"]
+__all__ = ["KINDS", "STEPS", "Branches", "Heads", "Tables", "fit"]
 
 #: Kinds of tables (as Gemma 3's layer types); the order of ``set(KINDS)`` follows the hash seed.
-KINDS = ("sliding", "full", "chunked", "local", "global", "dilated")
+KINDS = ("sliding", "full", "chunked", "local", "wide", "dilated")
 STEPS, BATCH = 3, 8
 
 
@@ -48,6 +49,21 @@ class Tables(nn.Module):
         for i, layer in enumerate(self.layers):
             h = torch.tanh(layer(h) * tables[KINDS[i]])
         return self.head(h)
+
+
+class Heads(nn.Module):
+    """Heads of one shape run in set order, summed in a fixed one: the same function on every rank, but each
+    stage's parameters and backward come in another order (replicas must still reduce alike)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.heads = nn.ModuleDict({kind: nn.Linear(width, 1) for kind in KINDS})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        outs = {kind: self.heads[kind](h) for kind in set(KINDS)}
+        return sum((outs[kind] * (i + 1) / len(KINDS) for i, kind in enumerate(KINDS)), torch.zeros(()))
 
 
 class Branches(nn.Module):
@@ -81,30 +97,39 @@ class _Lit(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(model: type[nn.Module], strategy: Any, devices: int) -> tuple[nn.Module, list[float]]:
-    """Fit ``model`` for :data:`STEPS` steps of :data:`BATCH` samples; the module and the logged losses."""
+def fit(
+    model: type[nn.Module], strategy: Any, devices: int, replicas: int = 1
+) -> tuple[nn.Module, list[float]]:
+    """Fit ``model`` for :data:`STEPS` steps of :data:`BATCH` samples per replica; the module and the logged
+    losses. The reference (``strategy="auto"``, one process) takes the replicas' batches as one, in the order
+    Lightning's ``DistributedSampler(shuffle=True, seed=0)`` deals them."""
     losses: list[float] = []
 
     class Losses(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             losses.append(float(trainer.callback_metrics["train_loss"]))
 
-    g = torch.Generator().manual_seed(1)
-    data: Dataset[Any] = TensorDataset(torch.randn(STEPS * BATCH, 8, generator=g), torch.randn(STEPS * BATCH, 1, generator=g))
-    if strategy == "auto":  # Lightning shuffles a distributed job's data (DistributedSampler, seed 0)
-        data = Subset(data, torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist())
+    g, n = torch.Generator().manual_seed(1), STEPS * BATCH * replicas
+    data: Dataset[Any] = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
+    batch = BATCH
+    if strategy == "auto":
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+        shards = [perm[r::replicas] for r in range(replicas)]
+        order = [i for k in range(STEPS) for shard in shards for i in shard[k * BATCH : (k + 1) * BATCH]]
+        data, batch = Subset(data, order), BATCH * replicas
     lit = _Lit(model)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Losses()],
     )  # fmt: skip
-    trainer.fit(lit, DataLoader(data, batch_size=BATCH))
+    trainer.fit(lit, DataLoader(data, batch_size=batch))
     return lit.model, losses
 
 
 def main() -> None:
     from lightning_autopart.errors import ConfigError
     from lightning_autopart.lightning.strategy import AutoPartitionStrategy
+    from lightning_autopart.runtime import buckets
 
     out, child_seed = Path(sys.argv[1]), sys.argv[2]
     if "LOCAL_RANK" not in os.environ:  # rank 0, before Lightning's launcher starts rank 1 with this environment
@@ -116,6 +141,12 @@ def main() -> None:
     local = {id(p) for p in strategy._params}
     params = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in local}
     torch.save({"losses": losses, "params": params, "order": list(set(KINDS))}, out / f"rank{rank}.pt")
+    # Two replicas, each head's gradient in a bucket of its own, readied in each rank's backward order.
+    buckets.FIRST_BUCKET_BYTES = buckets.BUCKET_BYTES = 17 * 4
+    strategy = AutoPartitionStrategy(num_stages=1, micro_batches=2, profile="estimate")
+    model, losses = fit(Heads, strategy, 2, replicas=2)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save({"losses": losses, "params": params}, out / f"heads{rank}.pt")
     try:
         fit(Branches, AutoPartitionStrategy(num_stages=2, micro_batches=2, profile="estimate"), 2)
         (out / f"rank{rank}.txt").write_text("no error")

@@ -78,3 +78,31 @@ def test_two_alike_random_draws_keep_apart() -> None:
     captured = capture(Noisy(), (torch.randn(2, 4),))
     crossing = [t for t in captured.cuts[0] if t.shape == (2, 4)]
     assert len({t.key for t in crossing}) == len(crossing)
+
+
+class Heads(nn.Module):
+    """Heads run in ``order`` and summed in a fixed one: one function, parameters used in another order."""
+
+    def __init__(self, order: tuple[str, ...]) -> None:
+        super().__init__()
+        self.order = order
+        self.heads = nn.ModuleDict({kind: nn.Linear(4, 1) for kind in sorted(order)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = {kind: self.heads[kind](x) for kind in self.order}
+        return torch.cat([outs[kind] for kind in sorted(self.order)], dim=1)
+
+
+def test_replicas_list_their_parameters_alike() -> None:
+    from lightning_autopart.runtime.stages import parameters_in_order
+
+    lists, used = [], []
+    for order in (("a", "b", "c"), ("c", "b", "a")):
+        captured = capture(Heads(order), (torch.randn(2, 4),))
+        stage = build_stage_module(captured, 0, captured.num_blocks)
+        names = {id(p): n for n, p in captured.module.named_parameters()}
+        used.append([names[id(p)] for p in stage.parameters()])
+        lists.append([names[id(p)] for p in parameters_in_order(captured, [stage])])
+    assert used[0] != used[1], "the stages list their parameters alike: the test proves nothing"
+    assert lists[0] == lists[1] == ["heads.a.weight", "heads.a.bias", "heads.b.weight", "heads.b.bias",
+                                    "heads.c.weight", "heads.c.bias"]  # fmt: skip
