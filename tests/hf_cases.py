@@ -61,6 +61,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "bert": ("bert.encoder.layer",),
     "t5": ("encoder.block", "decoder.block"),
     "vit": ("vit.layers", "vit.encoder.layer"),  # transformers 5 / 4 spell it differently
+    "gemma3": ("model.layers",),
 }
 
 
@@ -112,6 +113,10 @@ def config(name: str) -> transformers.PretrainedConfig:
         return transformers.MistralConfig(**_DECODER, sliding_window=SEQ // 2)
     if name == "mixtral":  # a mixture of experts: each token's top 2 of 4 experts, routed by its values
         return transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    if name == "gemma3":  # rotary tables computed in a loop over set(layer_types): see test_hf_pipeline
+        return transformers.Gemma3TextConfig(
+            **_DECODER, head_dim=8, sliding_window=SEQ // 2, layer_types=["sliding_attention", "full_attention"]
+        )
     if name == "bert":
         return transformers.BertConfig(
             vocab_size=VOCAB,
@@ -165,6 +170,7 @@ def build(name: str) -> nn.Module:
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
         "bert": transformers.BertForSequenceClassification,
         "t5": transformers.T5ForConditionalGeneration,
         "vit": transformers.ViTForImageClassification,
@@ -262,6 +268,7 @@ _LITS: dict[tuple[str, str], type[HFModule]] = {
     ("llama", "logits"): CausalLMLogits,
     ("mistral", "labels"): CausalLM,
     ("mixtral", "labels"): CausalLM,
+    ("gemma3", "labels"): CausalLM,
     ("bert", "labels"): SequenceClassifier,
     ("t5", "labels"): Seq2SeqLM,
     ("vit", "labels"): ImageClassifier,
@@ -290,7 +297,7 @@ class DictDataset(Dataset[dict[str, Tensor]]):
 def dataset(name: str, n: int, seed: int = 1) -> DictDataset:
     """``n`` deterministic samples for model ``name``, as the dicts HF models take as keyword arguments."""
     g = torch.Generator().manual_seed(seed)
-    if name in ("gpt2", "llama", "mistral", "mixtral"):
+    if name in ("gpt2", "llama", "mistral", "mixtral", "gemma3"):
         ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
         return DictDataset(input_ids=ids, labels=ids.clone())
     if name == "bert":

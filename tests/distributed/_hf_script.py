@@ -31,6 +31,7 @@ from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.runtime.topology import place
 from tests.census import StepPeak, stage_buffers
 from tests.distributed.job import end_job
+from tests.distributed.launch import CHILD_HASHSEED
 from tests.hf_cases import STEPS, fit
 
 __all__: list[str] = []
@@ -88,6 +89,8 @@ def everyone_finished(case: int, devices: int) -> bool:
 
 
 def main() -> None:
+    if "LOCAL_RANK" not in os.environ and (seed := os.environ.get(CHILD_HASHSEED)):
+        os.environ["PYTHONHASHSEED"] = seed  # rank 0, before Lightning's launcher starts the other ranks
     torch.set_num_threads(1)
     cases = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])

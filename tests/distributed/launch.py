@@ -28,6 +28,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The environment variable that makes a test script's rank 0 give the ranks it starts another hash seed.
+CHILD_HASHSEED = "AUTOPART_TEST_CHILD_HASHSEED"
+
+
+def hash_seeds_apart(*groups: tuple[str, ...]) -> tuple[int, int]:
+    """Two values of PYTHONHASHSEED under which each of ``groups``, as a set of strings, iterates in another
+    order (as two processes started without PYTHONHASHSEED may)."""
+
+    def orders(seed: int) -> list[str]:
+        code = f"print(*[list(set(g)) for g in {groups!r}], sep='|')"
+        env = {"PYTHONHASHSEED": str(seed)}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split("|")
+
+    first = orders(1)
+    for seed in range(2, 64):
+        if all(a != b for a, b in zip(first, orders(seed), strict=True)):
+            return 1, seed
+    raise AssertionError(f"no two hash seeds order {groups} differently")
+
+
 def run_job(args: list[str], world: int, how: str = "lightning", timeout: float = 120.0) -> tuple[int, str]:
     """Run ``python *args`` on ``world`` processes; return (exit code or TIMED_OUT, output).
 

@@ -5,40 +5,21 @@ another order; where the blocks differ, every rank refuses with the fix."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed._hash_order_script import KINDS, Heads, Tables, fit
-from tests.distributed.launch import run_job
+from tests.distributed.launch import hash_seeds_apart, run_job
 
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).with_name("_hash_order_script.py")
 
 
-def _orders(seed: int) -> str:
-    code = f"K = {KINDS!r}; print(list(set(K)), list(set(K[:4])))"
-    env = {"PYTHONHASHSEED": str(seed)}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
-
-
-def _seeds() -> tuple[int, int]:
-    """Two hash seeds under which both sets iterate in different orders."""
-    first = _orders(1)
-    parts = first.split("] [")
-    for seed in range(2, 40):
-        other = _orders(seed).split("] [")
-        if other[0] != parts[0] and other[1] != parts[1]:
-            return 1, seed
-    raise AssertionError("no two hash seeds order the sets differently")
-
-
 def test_ranks_that_run_the_forward_in_another_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seed, child = _seeds()
+    seed, child = hash_seeds_apart(KINDS, KINDS[:4])
     monkeypatch.setenv("PYTHONHASHSEED", str(seed))
     code, log = run_job([str(SCRIPT), str(tmp_path), str(child)], 2, "lightning", 180)
     assert code == 0, log[-6000:]
