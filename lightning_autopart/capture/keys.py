@@ -94,14 +94,16 @@ def _target(target: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with only what reads alike in every process (no object addresses)."""
+    """``value`` with only what reads alike in every process (no object addresses, no device index)."""
     if isinstance(value, _SCALARS):
         return value if not isinstance(value, float) else repr(value)
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return [[str(k), _plain(v)] for k, v in sorted(value.items(), key=lambda item: str(item[0]))]
-    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format, slice)):
+    if isinstance(value, torch.device):  # each rank's own GPU: the kind is what the graph means
+        return value.type
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format, slice)):
         return str(value)
     if isinstance(value, torch.Tensor):
         return _constant("tensor", value)

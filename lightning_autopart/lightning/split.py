@@ -119,9 +119,9 @@ def split_module(
 
 
 def _check_same_layout(captured: CapturedModel, plan: Plan, world_size: int, device: torch.device) -> None:
-    """Refuse, on every rank alike, a job whose ranks captured different blocks (their stages would exchange
-    tensors that do not match) or registered the parameters in different orders (their replicas' gradient
-    buckets would not match); see [Note: rank-independent values] in capture/keys.py."""
+    """Refuse, on every rank alike, a job whose pipeline ranks captured different blocks (their stages would
+    exchange tensors that do not match) or whose ranks registered the parameters in different orders (the
+    replicas' gradient buckets would not match); see [Note: rank-independent values] in capture/keys.py."""
     if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
         return
     layout = int(layout_digest(captured)[:15], 16) if plan.num_stages > 1 else 0
@@ -129,16 +129,21 @@ def _check_same_layout(captured: CapturedModel, plan: Plan, world_size: int, dev
     mine = torch.tensor([layout, registration], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
-    cls = type(captured.module).__name__
-    for i, what in enumerate(("captured different graphs of", "registered the parameters in another order in")):
-        digests = [int(t[i].item()) for t in every]
-        apart = [r for r, d in enumerate(digests) if d != digests[0]]
+    # Only a pipeline's stages exchange tensors: each rank's capture is compared with its pipeline's first rank.
+    pipeline = [place(plan, r).replica for r in range(world_size)]
+    checks = (
+        ("captured different graphs of", [pipeline.index(p) for p in pipeline]),
+        ("registered the parameters in another order in", [0] * world_size),
+    )
+    for i, (what, against) in enumerate(checks):
+        apart = [r for r in range(world_size) if int(every[r][i]) != int(every[against[r]][i])]
         if apart:
             raise ConfigError(
-                f"the ranks {what} {cls} (ranks {apart} differ from rank 0), so their pipeline stages and "
-                "replicas would not fit together. Its code runs in an order that changes from process to process, "
-                "usually a loop over a set of strings, whose order follows Python's per-process hash seed. Give "
-                "every rank the same seed: set PYTHONHASHSEED=0 in the job's environment before Python starts"
+                f"the ranks {what} {type(captured.module).__name__} (ranks {apart} differ from rank "
+                f"{against[apart[0]]}), so their pipeline stages and replicas would not fit together. Its code "
+                "runs in an order that changes from process to process, usually a loop over a set of strings, "
+                "whose order follows Python's per-process hash seed. Give every rank the same seed: set "
+                "PYTHONHASHSEED=0 in the job's environment before Python starts"
             )
 
 

@@ -106,3 +106,20 @@ def test_replicas_list_their_parameters_alike() -> None:
     assert used[0] != used[1], "the stages list their parameters alike: the test proves nothing"
     assert lists[0] == lists[1] == ["heads.a.weight", "heads.a.bias", "heads.b.weight", "heads.b.bias",
                                     "heads.c.weight", "heads.c.bias"]  # fmt: skip
+
+
+def test_a_device_index_is_not_part_of_a_key() -> None:
+    """Each rank's model may sit on its own GPU when captured: ``cuda:0`` and ``cuda:1`` make one key."""
+    from torch import fx
+
+    from lightning_autopart.capture.keys import value_keys
+
+    keys = []
+    for device in (torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        made = graph.call_function(torch.ops.aten.arange.default, (4,), {"device": device})
+        total = graph.call_function(torch.ops.aten.add.Tensor, (x, made))
+        graph.output(total)
+        keys.append(value_keys(graph, {}, {}, [x])[total.name])
+    assert keys[0] == keys[1] != keys[2]
