@@ -16,6 +16,7 @@ from lightning_autopart.capture.backward_hooks import TensorHooks, has_backward_
 from lightning_autopart.capture.glue import first_line
 from lightning_autopart.capture.graph import CapturedModel
 from lightning_autopart.capture.host_random import keep_host_random
+from lightning_autopart.capture.keywords import keyword_safe_codegen, refuse_keyword_names
 from lightning_autopart.capture.libraries import library_hint
 from lightning_autopart.capture.outputs import report_dropped
 from lightning_autopart.capture.pytree_keys import keyed_pytree_nodes
@@ -79,6 +80,8 @@ def capture(
             f"cannot capture {cls}: it has no parameters and no submodules, so there is nothing to "
             f"partition; pass the model that holds the layers"
         )
+    if not keyword_safe_codegen():  # [Note: keyword names]
+        refuse_keyword_names(module)
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
     # [Note: pytree keys]: export names values by their pytree paths.
