@@ -128,7 +128,7 @@ def _pipelined(case: dict[str, Any]) -> dict[str, Any]:
         "predicted": sum(strategy.plan.stages[s].memory_bytes for s in placement.stages),
         "parts": [
             {k: getattr(strategy.plan.stages[s], k) for k in (
-                "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "in_flight",
+                "block_start", "block_end", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "in_flight",
                 "transient_bytes", "io_bytes", "memory_bytes")}
             for s in placement.stages
         ],

@@ -62,6 +62,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "t5": ("encoder.block", "decoder.block"),
     "vit": ("vit.layers", "vit.encoder.layer"),  # transformers 5 / 4 spell it differently
     "gemma3": ("model.layers",),
+    "vitmae": ("vit.layers", "vit.encoder.layer", "decoder.decoder_layers"),
 }
 
 
@@ -116,6 +117,13 @@ def config(name: str) -> transformers.PretrainedConfig:
     if name == "gemma3":  # rotary tables computed in a loop over set(layer_types): see test_hf_pipeline
         return transformers.Gemma3TextConfig(
             **_DECODER, head_dim=8, sliding_window=SEQ // 2, layer_types=["sliding_attention", "full_attention"]
+        )
+    if name == "vitmae":  # its loss reads the images again: pixel_values pass through every stage
+        return transformers.ViTMAEConfig(
+            image_size=2 * IMAGE, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+            decoder_num_attention_heads=2, decoder_intermediate_size=64, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
     if name == "bert":
         return transformers.BertConfig(
@@ -174,6 +182,7 @@ def build(name: str) -> nn.Module:
         "bert": transformers.BertForSequenceClassification,
         "t5": transformers.T5ForConditionalGeneration,
         "vit": transformers.ViTForImageClassification,
+        "vitmae": transformers.ViTMAEForPreTraining,
     }
     torch.manual_seed(0)
     model: nn.Module = classes[name](config(name))
@@ -261,6 +270,15 @@ class ImageClassifier(HFModule):
         self.log("val_loss", out.loss, sync_dist=True)
 
 
+class MaskedImages(HFModule):
+    """ViT-MAE: a random quarter of the patches in, every patch's pixels predicted; its loss reads the images."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        out = self.model(pixel_values=batch["pixel_values"])
+        self.log("train_loss", out.loss)
+        return out.loss
+
+
 #: The LightningModule class of each (model, step) pair a case may name.
 _LITS: dict[tuple[str, str], type[HFModule]] = {
     ("gpt2", "labels"): CausalLM,
@@ -272,6 +290,7 @@ _LITS: dict[tuple[str, str], type[HFModule]] = {
     ("bert", "labels"): SequenceClassifier,
     ("t5", "labels"): Seq2SeqLM,
     ("vit", "labels"): ImageClassifier,
+    ("vitmae", "labels"): MaskedImages,
 }
 
 
@@ -318,6 +337,8 @@ def dataset(name: str, n: int, seed: int = 1) -> DictDataset:
             pixel_values=torch.randn(n, 3, IMAGE, IMAGE, generator=g),
             labels=torch.randint(0, CLASSES, (n,), generator=g),
         )
+    if name == "vitmae":
+        return DictDataset(pixel_values=torch.randn(n, 3, 2 * IMAGE, 2 * IMAGE, generator=g))
     raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
 
 

@@ -58,6 +58,7 @@ def solve(
     cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
+    kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
@@ -82,7 +83,8 @@ def solve(
             pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
             hfbj, hfj = hfb[j], hf[j]
             # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
-            pj, qj = bk + msg * sd[j], infl * hd[j]
+            pj, qj, hdj = bk + msg * sd[j], infl * hd[j], hd[j]
+            pt = hdj > 0 and bool(at.passed[j])  # an output sent on as received: no copy held
             ilo = max(plo, start(j, room, k))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -113,9 +115,14 @@ def solve(
                     d_off = d_on = 0
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
-                if st + max(x + infl * (a_sum + wc) - d_off + qj - infl * al[i], y) <= cap:
+                q = qj
+                if pt:  # [Note: pipeline buffers]: an output sent on as received is neither held nor kept
+                    passed = min(hdj, at.passed_through(i, j))
+                    q -= infl * passed
+                    st -= kept * passed
+                if st + max(x + infl * (a_sum + wc) - d_off + q - infl * al[i], y) <= cap:
                     comp = fb
-                elif ck and st + max(x + a_sum + wc - d_on + qj, y) <= cap:
+                elif ck and st + max(x + a_sum + wc - d_on + q, y) <= cap:
                     comp = fb + f
                     h += hfj - hf[i]
                 else:
@@ -191,6 +198,7 @@ def solve_memory(
     pg, yf = tables.grads, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
+    kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
@@ -221,12 +229,13 @@ def solve_memory(
                             gr += tc.grad_bytes
                 x = trans(i, j)
                 bound = x if capped else gr
-                q = infl * hd[j]
+                passed = min(hd[j], at.passed_through(i, j))
+                q = infl * (hd[j] - passed)
                 wc = pc[j] - pc[i]  # [Note: weight casts] in cost.py
                 units = infl * (a_sum + wc) - (min(a_sum + wc, gr, bound) if fresh else 0) + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc - (min(cin[i], gr, bound) if fresh else 0) + q)
-                st += bk + msg * (rv[i] + sd[j])  # [Note: pipeline buffers] in cost.py
+                st += bk + msg * (rv[i] + sd[j]) - kept * passed  # [Note: pipeline buffers] in cost.py
                 w = (st + max(units + x, int(gr * yf))) / lim
                 if w < pv:
                     w = pv

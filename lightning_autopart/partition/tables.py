@@ -70,7 +70,9 @@ class SizeTables:
     input); ``alias[i]``, the part of it block ``i`` saves; ``send[j]``, the receive buffer of the gradient of a
     stage ending before block ``j`` (0 for the last); ``held[j]``, the part of its output no block saves (0 for
     the last stage, where the loss is priced: the runtime drops the model's outputs once the loss is computed, see
-    [Note: the last stage's outputs] in runtime/outputs.py; the model's outputs where it is not).
+    [Note: the last stage's outputs] in runtime/outputs.py; the model's outputs where it is not); ``passed[j]``,
+    per producer ``p`` (ascending), the bytes of that part made by blocks ``<= p``: a stage starting after ``p``
+    keeps them as received (:meth:`passed_through`).
     """
 
     m: int
@@ -86,6 +88,17 @@ class SizeTables:
     alias: list[int]
     send: list[int]
     held: list[int]
+    passed: list[tuple[tuple[int, int], ...]]
+
+    def passed_through(self, i: int, j: int) -> int:
+        """Bytes of the output held by a stage of blocks ``[i, j)`` that it received as they are (their storage is
+        its receive buffer, or the batch): made before block ``i``, by no block of the stage."""
+        got = 0
+        for p, b in self.passed[j]:
+            if p >= i:
+                break
+            got = b
+        return got
 
 
 def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
@@ -229,6 +242,7 @@ class CostTables:
                 ],
                 send=inner,
                 held=kept,
+                passed=[(), *(_passed(b.passed_shares, c, h) for b, c, h in zip(blocks, cuts, kept[1:], strict=True))],
             )
             self._sizes[m] = got
         return got
@@ -351,6 +365,15 @@ class CostTables:
     def tied_optimizer_us(self, i: int, j: int) -> float:
         """Optimizer step time of the tied copies a stage of blocks ``[i, j)`` holds."""
         return sum(t.optimizer_us for t in self.tied if t.copied_by(i, j))
+
+
+def _passed(shares: tuple[tuple[int, float], ...], cut: int, held: int) -> tuple[tuple[int, int], ...]:
+    """``(p, bytes made by blocks <= p)`` of a cut's part that passes through, never more than the held part."""
+    out, total = [], 0.0
+    for p, share in shares:
+        total += share
+        out.append((p, min(held, round(total * cut))))
+    return tuple(out)
 
 
 def _prefix_float(values: list[float]) -> list[float]:

@@ -94,6 +94,11 @@ class BlockProfile:
     #: [Note: pipeline buffers] in partition/cost.py).
     saved_input_share: float = 0.0
     saved_output_share: float = 0.0
+    #: Shares of the bytes crossing the cut after this block that an earlier block made (its index, -1 for the
+    #: model's inputs; ascending, one entry per producer) and that this block neither makes nor saves: a stage
+    #: ending here and starting after their producer sends them as it received them, so the output it keeps
+    #: is its receive buffer or the batch (see [Note: pipeline buffers] in partition/cost.py).
+    passed_shares: tuple[tuple[int, float], ...] = ()
     #: Host time (Python, dispatch, kernel launches) of the forward and of the backward, per micro-batch, on a
     #: device the host feeds ahead of time (CUDA; see [Note: host and device] in cuda_clock.py). 0: unknown, or
     #: the host does the math itself (CPU), where ``fwd_us``/``bwd_us`` hold it.
@@ -233,6 +238,7 @@ class ModelProfile:
                     "modules": tuple(b["modules"]),
                     "param_shapes": tuple((n, tuple(s)) for n, s in b["param_shapes"]),
                     "curve": tuple(tuple(p) for p in b.get("curve", ())),
+                    "passed_shares": tuple((int(k), float(x)) for k, x in b.get("passed_shares", ())),
                 }
             )
             for b in data["blocks"]

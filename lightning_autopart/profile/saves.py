@@ -40,6 +40,7 @@ def with_shared_saves(
                 record,
                 saved_input_share=share(before, names[k][0]),
                 saved_output_share=share(captured.cuts[k], names[k][1]),
+                passed_shares=_passed(captured.cuts[k], k, names[k][1], cut_dtype),
             )
         if k > 0 and k - 1 in names and k in names:
             both = share(captured.cuts[k - 1], names[k][0] & names[k - 1][1])
@@ -47,3 +48,24 @@ def with_shared_saves(
                 record = dataclasses.replace(record, saved_by_previous=both)
         out.append(record)
     return out
+
+
+def _passed(
+    cut: Sequence[TensorInfo], k: int, saved: frozenset[str], cut_dtype: torch.dtype | None
+) -> tuple[tuple[int, float], ...]:
+    """Per producer before block ``k`` (ascending), the share of ``cut`` it made that block ``k`` does not save and
+    that the wire sends as received (not a one-byte integer, which travels converted: [Note: wire format])."""
+    total = sum(scaled_nbytes(t, cut_dtype) for t in cut)
+    by: dict[int, int] = {}
+    for t in cut:
+        if t.producer < k and t.name not in saved and _as_received(t.dtype):
+            by[t.producer] = by.get(t.producer, 0) + scaled_nbytes(t, cut_dtype)
+    return tuple((p, min(1.0, b / total)) for p, b in sorted(by.items()) if b > 0) if total > 0 else ()
+
+
+def _as_received(dtype: str) -> bool:
+    """Whether a value of ``dtype`` crosses a cut as a view of what the stage received."""
+    found = getattr(torch, dtype, None)
+    if not isinstance(found, torch.dtype):
+        return False
+    return found.is_floating_point or found.is_complex or found.itemsize > 1

@@ -47,6 +47,8 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
         {"model": "llama", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4},
         # rotary tables computed in a loop over a set, in another order on each rank (see run_world)
         {"model": "gemma3", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4},
+        # the images pass through every stage to the loss: held as received ([Note: pipeline buffers])
+        {"model": "vitmae", "stages": 2, "schedule": "1F1B", "optimizer": "sgd"},
     ],
     4: [
         # with 2 replicas per stage; the 2-rank launch covers each model and schedule with one

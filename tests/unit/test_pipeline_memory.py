@@ -3,6 +3,7 @@ share of a cut a block saves as it is, the batch every rank holds, and a loss th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -115,3 +116,49 @@ def test_the_last_stage_holds_what_its_loss_saves_of_the_output(loss: str | None
         assert at.held[-1] == 0 and grown == output
     else:  # its log-softmax (and labels), no part of the output
         assert at.held[-1] == 0 and grown >= 4 * 16 * 4
+
+
+class Carry(nn.Module):
+    """``x``, ``keep`` (bool) and ``scale`` (int64) reach the last block as they came in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Tanh()
+        self.c = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, self.c(self.b(self.a(x))) + x * scale, 0.0)
+
+
+def test_what_a_stage_sends_on_as_received_is_not_held_twice() -> None:
+    """An output a stage received as it is (an earlier block made it, none of the stage's blocks saves it) is its
+    receive buffer or the batch: not held again ([Note: pipeline buffers] in partition/cost.py). A one-byte
+    value travels converted ([Note: wire format] in runtime/wire.py), so a copy is held."""
+    from lightning_autopart.partition.configs import Config
+    from lightning_autopart.partition.scoring import evaluate_config
+
+    n = 8
+    inputs = (torch.randn(n, 16), torch.rand(n, 16) > 0.5, torch.randint(0, 3, (n, 16)))
+    prof = profile_model(Carry(), inputs, profile="estimate", up_to=8)
+    assert [b.name for b in prof.blocks][:2] == ["a", "b"]
+    x, keep, scale = 16 * 4, 16, 16 * 8  # per sample
+    cut_a, cut_b = x + keep + scale + 32 * 4, x + keep + scale + 32 * 4
+    assert prof.blocks[0].passed_shares == ((-1, pytest.approx((x + scale) / cut_a)),)  # keep is one byte wide
+    assert prof.blocks[1].passed_shares == ((-1, pytest.approx((x + scale) / cut_b)),)
+    cluster = Cluster(
+        nodes=1, devices_per_node=2, device_memory_bytes=1 << 30, intra_node_bw=1e6, inter_node_bw=1e5,
+        intra_allreduce_bw=1e3, inter_allreduce_bw=1e2,
+    )
+    at = CostTables(prof, cluster).at(2)
+    assert at.passed_through(0, 2) == at.passed_through(1, 2) == 2 * (x + scale)
+    assert at.passed_through(0, 1) == 2 * (x + scale) and at.passed_through(0, 3) == 0  # the model's outputs
+    # Stage [0, 2) of a 2-stage 1F1B holds 2 micro-batches of 2 samples in flight; without the record it held a
+    # copy of x and scale for each.
+    cfg, ends = Config(1, 2, 4, "1F1B"), (0, 2, len(prof.blocks))
+    stripped = dataclasses.replace(
+        prof, blocks=tuple(dataclasses.replace(b, passed_shares=()) for b in prof.blocks)
+    )
+    now, before = (evaluate_config(CostTables(p, cluster), cfg, 8, ends).stages[0] for p in (prof, stripped))
+    assert now.in_flight == 2
+    assert before.memory_bytes - now.memory_bytes == before.io_bytes - now.io_bytes == 2 * 2 * (x + scale)
