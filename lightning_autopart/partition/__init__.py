@@ -143,7 +143,7 @@ def partition(
         max_micro_batches: largest micro-batch count searched (ignored when ``micro_batches`` is given).
         checkpointing: allow activation checkpointing on stages that do not fit without it.
         persistent_grads: gradients live through every step (accumulated over several steps), so no stage
-            is priced without them at its peak (see [Note: fresh gradients] in :mod:`.cost`).
+            is priced without them at its peak (see [Note: fresh gradients] in :mod:`.fresh`).
 
     Raises:
         ConfigError: an invalid setting (the message names the value and what to use instead).

@@ -6,7 +6,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from itertools import pairwise
 
-from lightning_autopart.partition.cost import INF, Config, CostTables, fresh_stages, in_flight
+from lightning_autopart.partition.cost import INF, Config, CostTables, in_flight
+from lightning_autopart.partition.fresh import fresh_stages
 
 __all__ = ["Relaxation"]
 

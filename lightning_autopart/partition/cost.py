@@ -23,12 +23,15 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
                                                               0, the recompute's are in sum a_k)
     in_flight = 1 (S = 1) | M (GPipe) | min(S - p, M) (1F1B)
               | the chunk's most over its rank's backwards (Interleaved1F1B, [Note: interleaved in flight])
-    X = max x_k                                                 (one micro-batch's backward at a time)
+    X = max_k (sum_{i..k} a + x_k) - sum a                      (one micro-batch's backward at a time; block k's
+                                                              meets the activations of blocks i..k only:
+                                                              [Note: backward's peak] in tables.py)
     Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
-    D = min(u, grads, X if S*v = 1 else grads) if fresh else 0  (gradients not yet made at the peak, see below;
-                                                              u = sum a_k + sum w_k: a backward frees both)
-    memory_off = static + P + max(in_flight * sum a_k + X - D + Q_off + W, Y)
-    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + sum w_k + X - D + Q_on, Y)  (u = c_{i-1};
+    E = X, or fresh_excess(...) if fresh                        (gradients not yet made at the peak: [Note:
+                                                              fresh gradients] in fresh.py; u = sum a_k +
+                                                              sum w_k: a backward frees both)
+    memory_off = static + P + max(in_flight * sum a_k + E_off + Q_off + W, Y)
+    memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + sum w_k + E_on + Q_on, Y)  (u = c_{i-1};
                                                               keep only the stage input per micro-batch,
                                                               recompute one micro-batch at a time)
     P, Q = the batch and the pipeline's buffers, kept and in flight ([Note: pipeline buffers])
@@ -49,17 +52,6 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
     w = max(w0 + q D + (1 - q) max(0, D + K (h + G) + H - w0), D_w)
     D, D_w = the loader's time for a replica's B/r samples without workers, 0 | 0, its time over W workers
     q = 1 / (steps between two reads of a device value) (0: never; 1 where the host does the math)
-
-[Note: fresh gradients] ``fresh`` holds for a stage whose gradients do not exist while it holds its
-activations at their peak: one replica (replicas keep persistent all-reduce buckets), one chunk, gradients
-dropped at the step's start (no accumulation over steps), and every micro-batch in flight at once
-(``in_flight == M``: GPipe, or 1F1B with M <= S - p; a single stage runs one micro-batch at a time, so only
-M = 1). Its first backward then starts without gradients (peak ``M u + X``); the gradients appear as
-activations free, so later backwards hold ``(M - 1) u + grads + X``: the larger is ``M u + X - min(u, grads)``.
-With a single stage ``D <= X`` keeps the forward's end with last step's gradients (``M u + grads``) as a bound:
-plain Lightning zeroes them after the forward, before backward. On an H100 this took the predicted peak of a
-GPT-2 and a Llama in bf16-mixed from 1.14 and 1.10 to 1.08 and 1.03 of the measured one. A pipelined step
-drops them before its first forward (the strategy's ``training_step``), so there ``D = min(u, grads)``.
 
 [Note: weight casts] Under a "-mixed" precision, autocast copies each weight to low precision in the forward,
 and the backward keeps the copy until the weight's gradient is made; the copies are gone by the optimizer step,
@@ -156,6 +148,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
+from lightning_autopart.partition.fresh import fresh_excess, fresh_stages
 from lightning_autopart.partition.placement import link_pattern
 from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
 
@@ -170,21 +163,11 @@ __all__ = [
     "TiedCopy",
     "check_config",
     "config_costs",
-    "fresh_stages",
     "in_flight",
     "stage_cost",
 ]
 
 INF = float("inf")
-
-def fresh_stages(tables: CostTables, cfg: Config) -> list[bool]:
-    """Per pipeline position: whether its gradients do not exist at its activations' peak ([Note: fresh
-    gradients])."""
-    if cfg.replicas > 1 or cfg.chunks > 1 or tables.persistent_grads:
-        return [False] * cfg.stages
-    mb = cfg.micro_batches
-    return [in_flight(cfg.schedule, cfg.stages, p, mb) == mb for p in range(cfg.stages)]
-
 
 @dataclass(slots=True)
 class ConfigCosts:
@@ -220,7 +203,8 @@ class ConfigCosts:
     data_open: float = 0.0
     data_share: float = 0.0
     data_floor: float = 0.0
-    #: Per virtual stage: its gradients do not exist at its activations' peak (see [Note: fresh gradients]).
+    #: Per virtual stage: its gradients do not exist at its activations' peak ([Note: fresh gradients] in
+    #: fresh.py).
     fresh: list[bool] = field(default_factory=list)
     #: Whether backward's transient bounds the fresh gradients' saving (``D``): plain Lightning's step keeps
     #: last step's gradients through the forward; a pipelined step drops them first.
@@ -301,10 +285,10 @@ class StageCost:
     optimizer_bytes: int
     buffer_bytes: int
     #: Activations at the peak: the in-flight micro-batches', less what a backward has freed by then where the
-    #: gradients not yet made outweigh its transient ([Note: fresh gradients]).
+    #: gradients not yet made outweigh its transient ([Note: fresh gradients] in fresh.py).
     activation_bytes: int
     #: Backward's transient peak (one micro-batch's gradients and temporaries), less the stage's gradients
-    #: that do not exist yet at the peak (see [Note: fresh gradients]).
+    #: that do not exist yet at the peak (see [Note: fresh gradients] in fresh.py).
     transient_bytes: int
     in_flight: int
     memory_bytes: int
@@ -354,9 +338,13 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     casts_off = infl * unit_casts  # checkpointing keeps none in flight: the recompute makes its own, saved
     act_off = infl * a_sum
     act_on = infl * at.stage_input[i] + a_sum + unit_casts
-    top = trans if cc.capped else grad  # D <= X only where last step's gradients outlive the forward
-    d_off = min(a_sum + unit_casts, grad, top) if cc.fresh[k] else 0
-    d_on = min(at.stage_input[i], grad, top) if cc.fresh[k] else 0
+    # what the peak adds to the units in flight ([Note: backward's peak] in tables.py; [Note: fresh
+    # gradients] in fresh.py)
+    e_off = e_on = trans
+    if cc.fresh[k]:
+        xf, lead, u = at.fresh_transient(i, j), grad if cc.capped else 0, a_sum + unit_casts
+        e_off = fresh_excess(trans, xf, grad, lead, u, infl > 1)
+        e_on = fresh_excess(trans, xf, grad, lead - u, at.stage_input[i], infl > 1)
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
     sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
     passed = min(cc.held[j], at.passed_through(i, j))  # its input, sent on as is: no copy held or kept
@@ -365,16 +353,16 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     q_run = infl * kept_out
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     fits = True
-    if st + held + max(act_off + trans - d_off + q_off + casts_off, y) <= cap:
-        ck, act, d, q = False, act_off, d_off, q_off
-    elif cc.checkpointing and st + held + max(act_on + trans - d_on + q_on, y) <= cap:
-        ck, act, d, q = True, act_on, d_on, q_on
+    if st + held + max(act_off + e_off + q_off + casts_off, y) <= cap:
+        ck, act, e, q = False, act_off, e_off, q_off
+    elif cc.checkpointing and st + held + max(act_on + e_on + q_on, y) <= cap:
+        ck, act, e, q = True, act_on, e_on, q_on
     else:
         fits = False
-        ck = cc.checkpointing and act_on - d_on + q_on < act_off - d_off + q_off + casts_off
-        act, d, q = (act_on, d_on, q_on) if ck else (act_off, d_off, q_off)
+        ck = cc.checkpointing and act_on + e_on + q_on < act_off + e_off + q_off + casts_off
+        act, e, q = (act_on, e_on, q_on) if ck else (act_off, e_off, q_off)
     casts = 0 if ck else casts_off
-    excess = max(0, d - trans)  # fresh gradients beyond the transient: activations (then casts) freed by then
+    excess = max(0, -e)  # fresh gradients beyond the transient: activations (then casts) freed by then
     freed = min(excess, act)
     pf, pb = cc.pf, cc.pb
     f = pf[j] - pf[i]
@@ -418,9 +406,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
         activation_bytes=act - freed,
-        transient_bytes=max(trans - d + excess, y - act - q - casts + excess),
+        transient_bytes=max(e + excess, y - act - q - casts + excess),
         in_flight=infl,
-        memory_bytes=(mem := st + casts + held + max(act + trans - d + q, y - casts)),
+        memory_bytes=(mem := st + casts + held + max(act + e + q, y - casts)),
         limit_bytes=cap,
         param_count=tables.counts[j] - tables.counts[i] + tn,
         data_us=data,

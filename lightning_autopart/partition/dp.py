@@ -35,6 +35,7 @@ from bisect import bisect_left, bisect_right
 
 from lightning_autopart.partition.bounds import Relaxation
 from lightning_autopart.partition.cost import INF, ConfigCosts, CostTables
+from lightning_autopart.partition.fresh import fresh_excess
 
 __all__ = ["Budget", "solve", "solve_memory"]
 
@@ -55,7 +56,7 @@ def solve(
     at = cc.at
     pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
     sh, pc = at.shared, tables.casts
-    cin, trans, yf = at.stage_input, at.transient, tables.opt_transient
+    cin, trans, ftrans, yf = at.stage_input, at.transient, at.fresh_transient, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
     kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)
@@ -74,6 +75,7 @@ def solve(
         jlo, jhi = bands[s]
         plo, phi = bands[s - 1]
         infl, fresh, cap, bk = cc.in_flight[k], cc.fresh[k], cc.limit[k], batch[k]
+        later = infl > 1
         pin, pout = cc.p2p_in[k], cc.p2p_out[k]
         coef, cst = cc.ar_coef[k], cc.ar_const[k]
         cur = [INF] * (n + 1)
@@ -108,11 +110,11 @@ def solve(
                 x = trans(i, j)
                 y = int(gr * yf)
                 wc = pc[j] - pc[i]  # a micro-batch's weight casts ([Note: weight casts] in cost.py)
-                if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in cost.py)
-                    bound = x if capped else gr
-                    d_off, d_on = min(a_sum + wc, gr, bound), min(cin[i], gr, bound)
-                else:
-                    d_off = d_on = 0
+                e_off = e_on = x
+                if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in fresh.py)
+                    xf, lead, u = ftrans(i, j), gr if capped else 0, a_sum + wc
+                    e_off = fresh_excess(x, xf, gr, lead, u, later)
+                    e_on = fresh_excess(x, xf, gr, lead - u, cin[i], later)
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
                 q = qj
@@ -120,9 +122,9 @@ def solve(
                     passed = min(hdj, at.passed_through(i, j))
                     q -= infl * passed
                     st -= kept * passed
-                if st + max(x + infl * (a_sum + wc) - d_off + q - infl * al[i], y) <= cap:
+                if st + max(e_off + infl * (a_sum + wc) + q - infl * al[i], y) <= cap:
                     comp = fb
-                elif ck and st + max(x + a_sum + wc - d_on + q, y) <= cap:
+                elif ck and st + max(e_on + a_sum + wc + q, y) <= cap:
                     comp = fb + f
                     h += hfj - hf[i]
                 else:
@@ -228,15 +230,19 @@ def solve_memory(
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                             gr += tc.grad_bytes
                 x = trans(i, j)
-                bound = x if capped else gr
                 passed = min(hd[j], at.passed_through(i, j))
                 q = infl * (hd[j] - passed)
                 wc = pc[j] - pc[i]  # [Note: weight casts] in cost.py
-                units = infl * (a_sum + wc) - (min(a_sum + wc, gr, bound) if fresh else 0) + q - infl * al[i]
+                e_off = e_on = x
+                if fresh:
+                    xf, lead, u = at.fresh_transient(i, j), gr if capped else 0, a_sum + wc
+                    e_off = fresh_excess(x, xf, gr, lead, u, infl > 1)
+                    e_on = fresh_excess(x, xf, gr, lead - u, cin[i], infl > 1)
+                units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
-                    units = min(units, a_sum + wc - (min(cin[i], gr, bound) if fresh else 0) + q)
+                    units = min(units, a_sum + wc + e_on + q)
                 st += bk + msg * (rv[i] + sd[j]) - kept * passed  # [Note: pipeline buffers] in cost.py
-                w = (st + max(units + x, int(gr * yf))) / lim
+                w = (st + max(units, int(gr * yf))) / lim
                 if w < pv:
                     w = pv
                 if w < best or (bi < 0 and w <= best):

@@ -11,7 +11,7 @@ from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.optimizers import optimizer_state_factor, optimizer_transient_factor
 from lightning_autopart.profile.records import ModelProfile, cost_at
 
-__all__ = ["CostTables", "RangeMax", "SizeTables", "TiedCopy"]
+__all__ = ["BackwardPeak", "CostTables", "RangeMax", "SizeTables", "TiedCopy"]
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
 
@@ -64,8 +64,10 @@ class SizeTables:
     prefix sums of saved-activation bytes less ``shared``; ``shared[k]``: bytes block ``k`` saves that block
     ``k - 1`` saves too (see [Note: saved twice]; a stage ``[i, j)`` holds ``acts[j] - acts[i] + shared[i]``);
     ``stage_input[i]``: bytes a stage starting at block ``i`` receives;
-    ``cuts[k]``: bytes crossing the cut after block ``k``; ``transient(i, j)``: the largest backward transient
-    of blocks ``[i, j)``. Per micro-batch, what the pipeline holds (see [Note: pipeline buffers] in cost.py):
+    ``cuts[k]``: bytes crossing the cut after block ``k``; ``transient(i, j)``: what a micro-batch's backward through
+    blocks ``[i, j)`` holds at most beyond their activations ([Note: backward's peak]), ``fresh_transient(i, j)``
+    the same with the gradients the blocks after the running one have made. Per micro-batch, what the pipeline
+    holds (see [Note: pipeline buffers] in cost.py):
     ``recv[i]``, the receive buffer of a stage starting at block ``i`` (0 for the first: the batch holds its
     input); ``alias[i]``, the part of it block ``i`` saves; ``send[j]``, the receive buffer of the gradient of a
     stage ending before block ``j`` (0 for the last); ``held[j]``, the part of its output no block saves (0 for
@@ -83,7 +85,8 @@ class SizeTables:
     shared: list[int]
     stage_input: list[int]
     cuts: list[int]
-    transient: RangeMax
+    transient: BackwardPeak
+    fresh_transient: BackwardPeak
     recv: list[int]
     alias: list[int]
     send: list[int]
@@ -99,6 +102,30 @@ class SizeTables:
                 break
             got = b
         return got
+
+
+class BackwardPeak(RangeMax):
+    """``X(i, j) = max over k in [i, j) of (acts[k+1] - grads[k+1] + t_k) - acts[j] + grads[j]``: what a micro-batch's
+    backward through blocks ``[i, j)`` holds at most beyond their activations (and weight copies: ``acts``, a
+    prefix sum), with the gradients of the blocks after the running one (``grads``: a prefix sum; none without
+    it).
+
+    [Note: backward's peak] Backward runs a stage's blocks last to first, and each frees what it saved as it goes,
+    so block ``k``'s transient ``t_k`` (its gradients and temporaries) meets the activations of blocks ``i..k``
+    only, and, where the step's gradients are made by this backward ([Note: fresh gradients] in fresh.py), the
+    gradients of blocks ``k+1..j-1``. The largest transient over all the activations, the bound used before,
+    over-predicted a stage whose largest transient comes early: Funnel's first attention, first of two stages,
+    1.15 of the measured peak (``bench/pipeline_sweep.py``); counting no gradient there under-predicted a plain
+    step whose Mamba scan comes first (Jamba, ``bench/step_peak.py --sweep``: 0.93), as the gradients of all the
+    layers after it are made by then."""
+
+    def __init__(self, acts: list[int], transients: list[int], grads: list[int] | None = None) -> None:
+        made = grads if grads is not None else [0] * len(acts)
+        super().__init__([a - g + t for a, g, t in zip(acts[1:], made[1:], transients, strict=True)])
+        self._offset = [g - a for a, g in zip(acts, made, strict=True)]
+
+    def __call__(self, i: int, j: int) -> int:
+        return super().__call__(i, j) + self._offset[j] if j > i else 0
 
 
 def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
@@ -191,8 +218,16 @@ class CostTables:
         #: Bytes the optimizer step allocates per byte of trainable parameters (its transient).
         self.opt_transient = optimizer_transient_factor(profile.optimizer)
         self.tied = _tied_copies(profile)
+        #: Per block, the gradients its backward makes: a tied weight's by its last user's, which runs first
+        #: ([Note: backward's peak]).
+        made = [b.grad_bytes for b in blocks]
+        for tc in self.tied:
+            last = max(u for u in range(self.num_blocks) if tc.next_user[u] == u)
+            made[tc.owner] -= tc.grad_bytes
+            made[last] += tc.grad_bytes
+        self.made_grads = _prefix(made)
         #: Gradients live through the whole step (accumulated over steps): none is ever fresh (see
-        #: [Note: fresh gradients] in :mod:`.cost`).
+        #: [Note: fresh gradients] in :mod:`.fresh`).
         self.persistent_grads = persistent_grads
         #: Bytes per sample of the batch every rank holds on its device through the step, at least the model's
         #: inputs ([Note: pipeline buffers] in cost.py).
@@ -224,16 +259,19 @@ class CostTables:
             kept = [0, *(round((1.0 - b.saved_output_share) * c) for b, c in zip(blocks, cuts, strict=True))]
             if self.profile.meta.get("loss_priced"):  # the loss's own saves priced it: the runtime drops the rest
                 kept[-1] = 0
+            peaks = [c.transient_bytes for c in costs]
             got = SizeTables(
                 m=m,
                 pf=pf,
                 pb=pb,
                 big=max(c.fwd_us + c.bwd_us for c in costs),
-                acts=_prefix([max(0, c.activation_bytes - d) for c, d in zip(costs, shared, strict=True)]),
+                acts=(acts := _prefix([max(0, c.activation_bytes - d) for c, d in zip(costs, shared, strict=True)])),
                 shared=shared,
                 stage_input=inputs,
                 cuts=cuts,
-                transient=RangeMax([c.transient_bytes for c in costs]),
+                # a block's weight copies go with its activations ([Note: weight casts] in cost.py)
+                transient=BackwardPeak(kept_back := [a + c for a, c in zip(acts, self.casts, strict=True)], peaks),
+                fresh_transient=BackwardPeak(kept_back, peaks, self.made_grads),
                 recv=[0, *cuts[:-1]],
                 # a part of what the block saves, never more (a + q >= 0 per micro-batch in flight)
                 alias=[

@@ -173,8 +173,9 @@ class Runner:
             outputs = self._live(raw)
             output_bytes = meter.nbytes_of(outputs)
             raw = None  # dead outputs are freed before backward, as a training step's are
-            if self._dead:  # and with them what only they needed: their part of the graph and its saves
-                meter.forget_freed()
+            # and with them what only they needed, as what the forward dropped itself (a router's scores that
+            # only pick the experts): their part of the graph and its saves
+            meter.forget_freed()
             casts = dict(allocations.casts)  # the copies that live into the backward (it saves them)
             counter.phase = None
             self.grads = [torch.ones_like(t) for t in outputs]

@@ -50,6 +50,13 @@ class SavedTensorMeter:
         key = storage_key(t)
         holder = _Saved(t.detach())  # detached: a saved output would otherwise keep its own node alive
         if key not in self._exclude:
+            before = self._holders.get(key)
+            if before and all(ref() is None for ref in before):
+                # Every node that saved a storage at this address is gone, and the storage may be too: this
+                # can be another one, made where it was freed. Counted as the first's, it was lost (a MoE
+                # router's dropped scores: a block's saves varied by 7 % from one profile to the next).
+                self._saved.pop(key, None)
+                before.clear()
             if key not in self._saved:
                 try:
                     self._saved[key] = int(t.untyped_storage().nbytes())

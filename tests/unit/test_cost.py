@@ -17,8 +17,10 @@ from lightning_autopart.partition.cost import (
     in_flight,
     stage_cost,
 )
+from lightning_autopart.partition.fresh import fresh_excess
 from lightning_autopart.partition.placement import link_pattern, rank_of, stage_ranks
 from lightning_autopart.partition.scoring import evaluate, evaluate_config
+from lightning_autopart.partition.tables import BackwardPeak
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, TiedParam
 
 
@@ -269,7 +271,8 @@ def test_single_stage_holds_one_micro_batch() -> None:
 
 def test_fresh_gradients_leave_the_peak() -> None:
     # One replica, GPipe, S = 2, M = 4 (every micro-batch in flight at once): each stage's first backward starts
-    # without gradients, so the peak is M*u + X - min(u, grads, X) ([Note: fresh gradients]).
+    # without gradients and makes them as it goes; later backwards hold them all, one micro-batch fewer
+    # ([Note: fresh gradients], [Note: backward's peak] in tables.py).
     blocks = tuple(dataclasses.replace(b, transient_bytes=2 * b.activation_bytes) for b in PROFILE.blocks)
     prof = dataclasses.replace(PROFILE, blocks=blocks)
     cfg = Config(1, 2, 4, "GPipe")
@@ -277,22 +280,46 @@ def test_fresh_gradients_leave_the_peak() -> None:
     kept = evaluate_config(
         CostTables(prof, _cluster(), persistent_grads=True), cfg, 4, (0, 2, 3), checkpointing=False
     )
-    # Stage 0 at m = 1: static 570, batch and buffers 1000, outputs held 400, u = 800, grads 140,
-    # X = max(1000, 600) = 1000 -> 570 + 1000 + 3200 + 1000 - 140 + 400.
-    assert kept.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 1000 + 400
-    assert fresh.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 1000 - 140 + 400
-    assert fresh.stages[0].transient_bytes == 1000 - 140
+    # Stage 0 at m = 1: static 570, batch and buffers 1000, outputs held 400, u = 500 + 300, grads 100 + 40,
+    # transients 1000 and 600. Block 0's backward meets its own 500 bytes, block 1's all 800:
+    # X = max(500 + 1000, 800 + 600) - 800 = 700 -> 570 + 1000 + 3200 + 700 + 400.
+    assert kept.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 700 + 400
+    # Fresh: the first backward meets block 1's gradients at block 0, max(500 + 1000 + 40, 1400) - 800 = 740;
+    # a later one all 140 and one micro-batch fewer, 700 + 140 - 800; less the 140 the state counts.
+    assert fresh.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 740 - 140 + 400
+    assert fresh.stages[0].transient_bytes == 740 - 140
     # Replicas keep their all-reduce buckets, so their gradients always exist.
     tables = CostTables(prof, _cluster())
     two = evaluate_config(tables, Config(2, 1, 2, "GPipe"), 4, (0, 3), checkpointing=False)
-    assert two.stages[0].memory_bytes == 810 + 300 + 1200 + 1000  # one micro-batch of 1200 bytes at a time
+    # one micro-batch of 1200 bytes at a time; X = max(1500, 1400, 1200 + 800) - 1200
+    assert two.stages[0].memory_bytes == 810 + 300 + 1200 + 800
     # 1F1B with more micro-batches than in flight: each stage runs a forward after its first backward.
     ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3), checkpointing=False)
-    assert [s.memory_bytes for s in ev.stages] == [570 + 1000 + 2 * 800 + 1000 + 200, 240 + 1000 + 400 + 800 + 25]
+    assert [s.memory_bytes for s in ev.stages] == [570 + 1000 + 2 * 800 + 700 + 200, 240 + 1000 + 400 + 800 + 25]
     # One stage, one micro-batch: plain training; the gradients are made during its only backward, and last
-    # step's outlive the forward (plain Lightning), so D <= X.
+    # step's outlive the forward (plain Lightning): at m = 2, the larger of the forward's end with them (u + 200)
+    # and the last block's backward (its 1600 over all 2400 bytes of activations, none of the state's 200 bytes
+    # of gradients made yet).
     one = evaluate_config(tables, Config(1, 1, 1, "GPipe"), 2, (0, 3), checkpointing=False)
-    assert one.stages[0].memory_bytes == 810 + 300 + 2 * 1200 + 2000 - 200
+    assert one.stages[0].memory_bytes == 810 - 200 + 300 + 2 * 1200 + 1600
+
+
+def test_a_backward_meets_the_activations_of_the_blocks_before_it_only() -> None:
+    """[Note: backward's peak]: block k's transient meets the activations of blocks i..k, and where this backward
+    makes the gradients, those of the blocks after k."""
+    acts, transients, grads = [0, 500, 800, 1200], [1000, 600, 800], [0, 100, 140, 200]
+    peak = BackwardPeak(acts, transients)
+    assert peak(0, 1) == 1000 and peak(2, 3) == 800
+    assert peak(0, 2) == max(500 + 1000, 800 + 600) - 800  # block 0's large transient comes last
+    assert peak(0, 3) == peak(1, 3) == 1200 + 800 - 1200  # block 2's meets them all
+    fresh = BackwardPeak(acts, transients, grads)
+    assert fresh(0, 2) == max(500 + 1000 + 40, 800 + 600) - 800  # block 1's 40 bytes of gradients made by then
+    assert fresh(0, 1) == 1000 and fresh(1, 1) == 0
+    # The forward's end (last step's 140 bytes of gradients), the first backward, or a later one (x, all of the
+    # gradients, one micro-batch of 800 fewer), less the gradients the state counts.
+    assert fresh_excess(700, 740, 140, 140, 800, True) == 740 - 140
+    assert fresh_excess(700, 740, 140, 900, 800, False) == 900 - 140
+    assert fresh_excess(700, 740, 1000, 0, 800, True) == 700 + 1000 - 800 - 1000
 
 
 def test_later_micro_batches_add_into_the_gradients() -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_autopart.planner import profile_model
+from tests.hf_architectures import build as build_architecture
 
 
 class _Head(nn.Module):
@@ -131,3 +132,36 @@ def test_the_meter_forgets_what_a_dropped_graph_saved() -> None:
     assert meter.nbytes == 64 * 64 * 4
     kept.sum().backward()  # what the meter hands back still differentiates
     assert torch.allclose(x.grad, 2 * (2 * x.detach()).exp())
+
+
+def test_a_storage_made_where_a_dropped_save_was_freed_is_counted_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storages are told apart by their address, which a storage made after another was freed may take: a MoE
+    router's dropped group scores and a later save then shared one record, and a block's saves varied from one
+    profile to the next. A storage at the address of one no node saves any more is a new one."""
+    from lightning_autopart.profile import saved
+
+    monkeypatch.setattr(saved, "storage_key", lambda t: 7)  # every storage at one address, as reuse would have it
+    x = torch.randn(16, 16, requires_grad=True)
+    meter = saved.SavedTensorMeter()
+    with meter.hooks():
+        dropped = x.exp()  # saves its 1 KiB output
+        del dropped  # its node and the save are gone
+        kept = x.repeat(4, 1).exp()  # a 4 KiB save at the same address
+    meter.forget_freed()
+    assert meter.nbytes == 4 * 16 * 16 * 4
+    assert kept.requires_grad
+
+
+def test_a_router_s_saves_are_the_same_in_every_profile() -> None:
+    """DeepSeek-V3's router drops its group scores (only their order picks the experts): what its layer saves
+    after them counts alike however the allocator places it (it varied by 7 % from one profile to the next)."""
+    pytest.importorskip("transformers")
+    from bench.hf_sweep import SWEEP
+    from lightning_autopart.capture import capture
+    from lightning_autopart.profile import profile
+
+    model = build_architecture(SWEEP["deepseek_v3"], "cpu", dropout=False)
+    captured = capture(model, ((), {"input_ids": torch.randint(0, 50, (2, 12))}))
+    layer = next(k for k, b in enumerate(captured.blocks) if b.name == "model.layers.1")
+    seen = {profile(captured, "estimate", spec="h100", blocks=[layer]).blocks[0].activation_bytes for _ in range(4)}
+    assert len(seen) == 1, seen
