@@ -78,9 +78,12 @@ CASES = [
     Case("loader_last", (1, 1), (
         r"autopart: rank 1 \(stage 1\) failed first: OSError: injected failure: sample 16 is unreadable",
     )),
+    # the kill may also tear down the last step's log broadcast that rank 1 had sent but rank 0 not yet read
+    # (a killed process's socket resets, dropping what was in flight), so either wait may be the one named
     Case("kill_last", (1, -9), (
         r"autopart: rank 0 \(stage 0\) stopped first: a peer closed the connection while it waited for the "
-        r"pipeline's activations/gradients from rank 1 \(stage 1\), and no rank reported an error\. "
+        r"(pipeline's activations/gradients|log channel broadcast \(the last stage's logs\)) from rank 1 "
+        r"\(stage 1\), and no rank reported an error\. "
         r"Rank 1 \(stage 1\), pid \d+, (was killed by SIGKILL|is gone)",
     )),
 ]
