@@ -99,8 +99,7 @@ def split_module(
         loss=step_loss(module, call.name, batch, size) if fitting else None,
     )
     captured, tied, elsewhere, in_blocks = capture_for_plan(plan, root, call, size, rank, checked)
-    if world_size > 1:
-        _check_same_layout(captured, plan, world_size, device)
+    _check_same_layout(captured, plan, world_size, device)
     materialized = None
     if has_meta_tensors(module):  # built on meta: allocate and initialise only this rank's share
         materialized = materialize(module, _kept(module, plan, captured, rank, in_blocks), init_rng)

@@ -148,7 +148,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
-from lightning_autopart.partition.fresh import fresh_excess, fresh_stages
+from lightning_autopart.partition.fresh import fresh_excesses, fresh_stages
 from lightning_autopart.partition.placement import link_pattern
 from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
 
@@ -168,6 +168,7 @@ __all__ = [
 ]
 
 INF = float("inf")
+
 
 @dataclass(slots=True)
 class ConfigCosts:
@@ -206,8 +207,8 @@ class ConfigCosts:
     #: Per virtual stage: its gradients do not exist at its activations' peak ([Note: fresh gradients] in
     #: fresh.py).
     fresh: list[bool] = field(default_factory=list)
-    #: Whether backward's transient bounds the fresh gradients' saving (``D``): plain Lightning's step keeps
-    #: last step's gradients through the forward; a pipelined step drops them first.
+    #: Whether a fresh stage's forward ends with last step's gradients (a moment of [Note: fresh gradients]):
+    #: plain Lightning's step keeps them through the forward; a pipelined step drops them first.
     capped: bool = True
     #: Per virtual stage: the replica's batch bytes it holds (``P``): all on a rank's first chunk, none after.
     batch: list[int] = field(default_factory=list)
@@ -342,9 +343,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     # gradients] in fresh.py)
     e_off = e_on = trans
     if cc.fresh[k]:
-        xf, lead, u = at.fresh_transient(i, j), grad if cc.capped else 0, a_sum + unit_casts
-        e_off = fresh_excess(trans, xf, grad, lead, u, infl > 1)
-        e_on = fresh_excess(trans, xf, grad, lead - u, at.stage_input[i], infl > 1)
+        e_off, e_on = fresh_excesses(
+            trans, at.fresh_transient(i, j), grad, cc.capped, a_sum + unit_casts, at.stage_input[i], infl > 1
+        )
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
     sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
     passed = min(cc.held[j], at.passed_through(i, j))  # its input, sent on as is: no copy held or kept

@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 
 from lightning_autopart.partition.bounds import Relaxation
 from lightning_autopart.partition.cost import INF, ConfigCosts, CostTables
-from lightning_autopart.partition.fresh import fresh_excess
+from lightning_autopart.partition.fresh import fresh_excesses
 
 __all__ = ["Budget", "solve", "solve_memory"]
 
@@ -112,9 +112,7 @@ def solve(
                 wc = pc[j] - pc[i]  # a micro-batch's weight casts ([Note: weight casts] in cost.py)
                 e_off = e_on = x
                 if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in fresh.py)
-                    xf, lead, u = ftrans(i, j), gr if capped else 0, a_sum + wc
-                    e_off = fresh_excess(x, xf, gr, lead, u, later)
-                    e_on = fresh_excess(x, xf, gr, lead - u, cin[i], later)
+                    e_off, e_on = fresh_excesses(x, ftrans(i, j), gr, capped, a_sum + wc, cin[i], later)
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
                 q = qj
@@ -235,9 +233,8 @@ def solve_memory(
                 wc = pc[j] - pc[i]  # [Note: weight casts] in cost.py
                 e_off = e_on = x
                 if fresh:
-                    xf, lead, u = at.fresh_transient(i, j), gr if capped else 0, a_sum + wc
-                    e_off = fresh_excess(x, xf, gr, lead, u, infl > 1)
-                    e_on = fresh_excess(x, xf, gr, lead - u, cin[i], infl > 1)
+                    xf = at.fresh_transient(i, j)
+                    e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1)
                 units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc + e_on + q)

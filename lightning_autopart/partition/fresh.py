@@ -22,7 +22,7 @@ from __future__ import annotations
 from lightning_autopart.partition.configs import Config, in_flight
 from lightning_autopart.partition.tables import CostTables
 
-__all__ = ["fresh_excess", "fresh_stages"]
+__all__ = ["fresh_excess", "fresh_excesses", "fresh_stages"]
 
 
 def fresh_stages(tables: CostTables, cfg: Config) -> list[bool]:
@@ -43,3 +43,16 @@ def fresh_excess(x: int, xf: int, grads: int, lead: int, prev: int, later: bool)
     if later and x + grads - prev > top:
         top = x + grads - prev
     return top - grads
+
+
+def fresh_excesses(
+    x: int, xf: int, grads: int, capped: bool, unit: int, stage_input: int, later: bool
+) -> tuple[int, int]:
+    """:func:`fresh_excess` without and with checkpointing, for a stage whose micro-batch unit is ``unit`` and
+    whose checkpointed unit is ``stage_input``; ``capped``: a single stage, whose forward's end holds last step's
+    gradients."""
+    lead = grads if capped else 0
+    return (
+        fresh_excess(x, xf, grads, lead, unit, later),
+        fresh_excess(x, xf, grads, lead - unit, stage_input, later),
+    )
