@@ -329,11 +329,12 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     """Cost of virtual stage ``k`` holding blocks ``[i, j)``; when it does not fit, the smaller memory is shown."""
     v, at, cap = cc.v, cc.at, cc.limit[k]
     tp, tg, to, tn = tables.tied_extra(i, j)
-    st = tables.static[j] - tables.static[i] + tp + tg + to
+    static, grads = tables.state(cc.cfg.replicas)  # [Note: unreached gradients] in fresh.py
+    st = static[j] - static[i] + tp + tg + to
     a_sum = at.acts[j] - at.acts[i] + at.shared[i]
     trans = at.transient(i, j)
     unit_casts = tables.casts[j] - tables.casts[i]  # [Note: weight casts]: per micro-batch in flight
-    grad = tables.grads[j] - tables.grads[i] + tg
+    grad = grads[j] - grads[i] + tg
     y = int(grad * tables.opt_transient)
     infl, mb = cc.in_flight[k], cc.cfg.micro_batches
     casts_off = infl * unit_casts  # checkpointing keeps none in flight: the recompute makes its own, saved
@@ -403,7 +404,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         time_us=t,
         term_us=w,
         param_bytes=tables.params[j] - tables.params[i] + tp,
-        grad_bytes=tables.grads[j] - tables.grads[i] + tg,
+        grad_bytes=grad,
         optimizer_bytes=tables.optim[j] - tables.optim[i] + to,
         buffer_bytes=buf,
         activation_bytes=act - freed,

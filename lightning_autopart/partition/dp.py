@@ -54,7 +54,8 @@ def solve(
     n, nv = tables.num_blocks, cc.cfg.virtual_stages
     start, room = relax.start, relax.room(tau)
     at = cc.at
-    pf, pb, ps, pa, pg, po_ = cc.pf, cc.pb, tables.static, at.acts, tables.grads, tables.opt_us
+    ps, pg = tables.state(cc.cfg.replicas)  # [Note: unreached gradients] in fresh.py
+    pf, pb, pa, po_ = cc.pf, cc.pb, at.acts, tables.opt_us
     sh, pc = at.shared, tables.casts
     cin, trans, ftrans, yf = at.stage_input, at.transient, at.fresh_transient, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
@@ -193,9 +194,9 @@ def solve_memory(
     if lo[0] > 0:
         return None
     at = cc.at
-    ps, pa, cin, trans, tied = tables.static, at.acts, at.stage_input, at.transient, tables.tied
-    sh, pc = at.shared, tables.casts
-    pg, yf = tables.grads, tables.opt_transient
+    ps, pg = tables.state(cc.cfg.replicas)  # [Note: unreached gradients] in fresh.py
+    pa, cin, trans, tied = at.acts, at.stage_input, at.transient, tables.tied
+    sh, pc, yf = at.shared, tables.casts, tables.opt_transient
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
     kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)

@@ -15,6 +15,13 @@ the three (:func:`fresh_excess`, less the gradients the state counts). The large
 first (Jamba) from 1.020 to 0.986, and a GPT-2's GPipe last stage, whose tied head's gradient its first backward
 makes, from 0.924 to 0.933. A pipelined step drops them before its first forward (the strategy's
 ``training_step``), so there the forward's end holds none.
+
+[Note: unreached gradients] A parameter that only blocks with every output dead use (a head whose output the
+loss never reads) never gets a gradient: a single replica never allocates one for it, and the optimizer keeps no
+state for it. Replicas do hold it: their all-reduce buckets are flat buffers over every trainable parameter
+(runtime/buckets.py). So :meth:`~.tables.CostTables.state` gives one replica the state and gradients less
+``BlockProfile.unreached_grad_bytes``, and the bounds use that smaller one. A SigLIP vision model, whose pooling
+head the loss on its last hidden state never reaches, read 1.17 of its measured plain step's peak before.
 """
 
 from __future__ import annotations

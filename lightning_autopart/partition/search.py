@@ -129,19 +129,20 @@ def enumerate_configs(
     cl = tables.cluster
     n, world, usable = tables.num_blocks, cl.world_size, tables.usable
     scheds = list(cons.schedules)
-    total_static = tables.static[-1]
     total_grad = tables.grads[-1]
     lat = cl.latency_us
     host_lb = 0.0 if cl.async_host else 2 * cl.action_us  # host time that adds to every micro-batch's math
     best_p2p = max(cl.intra_node_bw, cl.inter_node_bw) if cl.devices_per_node > 1 else cl.inter_node_bw
-    block_mem = [s - p for p, s in pairwise(tables.static)]
-    block_grad = [s - p for p, s in pairwise(tables.grads)]
     total_opt = tables.opt_us[-1]
     rs = [cons.replicas] if cons.replicas is not None else [r for r in divisors(batch) if r <= world]
     entries: list[tuple[float, int, int, int, int]] = []
     valid = infeasible = 0
     for r in rs:
         per = batch // r
+        static, grads = tables.state(r)  # [Note: unreached gradients] in fresh.py
+        total_static = static[-1]
+        block_mem = [s - p for p, s in pairwise(static)]
+        block_grad = [s - p for p, s in pairwise(grads)]
         if cons.micro_batches is not None:
             ms = [cons.micro_batches] if per % cons.micro_batches == 0 else []
         else:

@@ -205,6 +205,9 @@ class CostTables:
         self.counts = _prefix([b.param_count for b in blocks])
         #: What a stage holds through the whole step; autocast's weight copies are apart ([Note: weight casts]).
         self.static = _prefix([b.param_bytes + b.grad_bytes + b.optimizer_bytes + b.buffer_bytes for b in blocks])
+        #: Prefix sums of the gradients the loss never reaches ([Note: unreached gradients] in fresh.py).
+        self.unreached = _prefix([b.unreached_grad_bytes for b in blocks])
+        self._one_replica: tuple[list[int], list[int]] | None = None
         #: Prefix sums of the weight copies one micro-batch's forward makes ("-mixed"), kept until its backward.
         self.casts = _prefix([b.cast_bytes for b in blocks])
         #: Prefix sums of the optimizer step's time (once per step, independent of the micro-batch).
@@ -220,7 +223,7 @@ class CostTables:
         self.tied = _tied_copies(profile)
         #: Per block, the gradients its backward makes: a tied weight's by its last user's, which runs first
         #: ([Note: backward's peak]).
-        made = [b.grad_bytes for b in blocks]
+        made = [b.grad_bytes - b.unreached_grad_bytes for b in blocks]
         for tc in self.tied:
             last = max(u for u in range(self.num_blocks) if tc.next_user[u] == u)
             made[tc.owner] -= tc.grad_bytes
@@ -240,6 +243,18 @@ class CostTables:
         self._mem: dict[tuple[int, int, int, bool], list[int]] = {}
         self._limits: dict[tuple[int, int, int, int], list[int]] = {}
         self._p2p: dict[tuple[int, bool], list[float]] = {}
+
+    def state(self, replicas: int) -> tuple[list[int], list[int]]:
+        """Prefix sums of what a stage holds through the step and of its gradients, with ``replicas`` replicas:
+        one holds no gradient the loss never reaches ([Note: unreached gradients] in fresh.py)."""
+        if replicas > 1 or not self.unreached[-1]:
+            return self.static, self.grads
+        if self._one_replica is None:
+            self._one_replica = (
+                [s - u for s, u in zip(self.static, self.unreached, strict=True)],
+                [g - u for g, u in zip(self.grads, self.unreached, strict=True)],
+            )
+        return self._one_replica
 
     def at(self, m: int) -> SizeTables:
         """The tables of micro-batch size ``m`` (see :class:`SizeTables`)."""
@@ -374,7 +389,8 @@ class CostTables:
         got = self._mem.get((m, v, held, fresh))
         if got is None:
             acts = self.at(m).acts
-            state = [s - g for s, g in zip(self.static, self.grads, strict=True)] if fresh else self.static
+            static, grads = self.state(1)  # the least any replica count holds
+            state = [s - g for s, g in zip(static, grads, strict=True)] if fresh else static
             got = self._mem[(m, v, held, fresh)] = [v * (s + held * a) for s, a in zip(state, acts, strict=True)]
         return got
 

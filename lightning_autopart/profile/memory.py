@@ -26,6 +26,8 @@ class BlockMemory:
     #: Gradient bytes and tensors the optimizer steps: the trainable parameters the loss reaches (one that only
     #: blocks with no live output use gets no gradient, and the optimizer skips it and keeps no state for it).
     stepped_bytes: int = 0
+    #: Bytes of the trainable parameters no live block uses (their gradients are never made).
+    unreached_grad_bytes: int = 0
     stepped_tensors: int = 0
 
 
@@ -85,8 +87,8 @@ def account_memory(
                 note(pos, *resolve(name, params, True), order[pos])
 
     owner = {key: min(blocks) for key, blocks in users.items() if blocks}
-    # a block whose every output is dead (Block.dead_outputs) passes no gradient to its parameters; the
-    # gradient buffers stay priced (replicas' buckets hold them), the optimizer's state does not
+    # a block whose every output is dead (Block.dead_outputs) passes no gradient to its parameters: no
+    # optimizer state, and a gradient buffer only in replicas' buckets ([Note: unreached gradients])
     dead = {pos for pos, b in enumerate(captured.blocks) if b.outputs and len(b.dead_outputs) == len(b.outputs)}
     memory = []
     for pos in range(len(captured.blocks)):
@@ -106,6 +108,7 @@ def account_memory(
                 buffer_bytes=sum(states[k].nbytes for k in buffer_order[pos] if owner[k] == pos),
                 stepped_bytes=sum(s.nbytes for s in stepped),
                 stepped_tensors=len(stepped),
+                unreached_grad_bytes=trainable - sum(s.nbytes for s in stepped),
             )
         )
     param_keys = {k for keys in order for k in keys}

@@ -333,6 +333,7 @@ def _record(
         param_count=memory.param_count,
         param_bytes=memory.param_bytes,
         grad_bytes=memory.grad_bytes,
+        unreached_grad_bytes=memory.unreached_grad_bytes,
         optimizer_bytes=memory.optimizer_bytes,
         buffer_bytes=memory.buffer_bytes,
         fwd_us=float(cost.fwd_us),

@@ -99,6 +99,10 @@ class BlockProfile:
     #: ending here and starting after their producer sends them as it received them, so the output it keeps
     #: is its receive buffer or the batch (see [Note: pipeline buffers] in partition/cost.py).
     passed_shares: tuple[tuple[int, float], ...] = ()
+    #: Part of ``grad_bytes`` for parameters only blocks with every output dead use (a head the loss never
+    #: reaches): no gradient is ever made for them, so a single replica never holds it; replicas' all-reduce
+    #: buckets do (see [Note: unreached gradients] in partition/tables.py).
+    unreached_grad_bytes: int = 0
     #: Host time (Python, dispatch, kernel launches) of the forward and of the backward, per micro-batch, on a
     #: device the host feeds ahead of time (CUDA; see [Note: host and device] in cuda_clock.py). 0: unknown, or
     #: the host does the math itself (CPU), where ``fwd_us``/``bwd_us`` hold it.

@@ -435,3 +435,21 @@ def test_a_backward_frees_its_weight_casts_and_a_recompute_makes_its_own() -> No
     big = stage(0)[0] + 3 * 10000
     (plain, ck0), (cast, ck1) = stage(0, big), stage(casts, big)
     assert ck0 and ck1 and cast - plain == casts
+
+
+def test_a_head_the_loss_never_reaches_has_gradients_only_in_replicas_buckets() -> None:
+    """Block c's parameters get no gradient ([Note: unreached gradients] in fresh.py): one replica holds no
+    buffer for them; replicas' all-reduce buckets do, and all-reduce them."""
+    c = dataclasses.replace(PROFILE.blocks[2], optimizer_bytes=0, unreached_grad_bytes=60)
+    unreached = dataclasses.replace(PROFILE, blocks=(*PROFILE.blocks[:2], c))
+    reached = dataclasses.replace(PROFILE, blocks=(*PROFILE.blocks[:2], dataclasses.replace(c, unreached_grad_bytes=0)))
+    one = Config(1, 2, 4, "1F1B")  # the last stage runs one micro-batch at a time: its gradients are not fresh
+    ev, ev_reached = (evaluate_config(CostTables(p, _cluster()), one, 4, (0, 2, 3)) for p in (unreached, reached))
+    assert (ev.stages[1].grad_bytes, ev_reached.stages[1].grad_bytes) == (0, 60)
+    assert ev_reached.stages[1].memory_bytes - ev.stages[1].memory_bytes == 60
+    assert ev.stages[0] == ev_reached.stages[0]
+    two = evaluate_config(CostTables(unreached, _cluster()), Config(2, 2, 2, "1F1B"), 4, (0, 2, 3))
+    assert two.stages[1].grad_bytes == 60
+    assert two.stages[1].allreduce_us == evaluate_config(
+        CostTables(reached, _cluster()), Config(2, 2, 2, "1F1B"), 4, (0, 2, 3)
+    ).stages[1].allreduce_us > 0

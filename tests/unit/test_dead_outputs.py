@@ -107,12 +107,14 @@ def test_a_head_the_loss_skips_keeps_no_optimizer_state_and_no_saves(mode: str) 
         assert len(head) >= 2 and len(trunk) >= 2 and prof.blocks[-1].name == "last", [b.name for b in prof.blocks]
         for b in trunk:
             assert b.optimizer_bytes == 2 * b.param_bytes and b.optimizer_us >= 0, (name, b.name)
-        for b in head:  # gradient buffers stay priced: replicas' buckets hold them
+            assert b.unreached_grad_bytes == 0, (name, b.name)
+        for b in head:  # gradient buffers stay priced, apart: replicas' buckets hold them, one replica not
             assert b.grad_bytes == b.param_bytes, (name, b.name)
             if name == "skipped":
                 assert (b.optimizer_bytes, b.activation_bytes, b.optimizer_us) == (0, 0, 0.0), b
+                assert b.unreached_grad_bytes == b.grad_bytes, b
             else:
-                assert b.optimizer_bytes == 2 * b.param_bytes, (name, b.name)
+                assert b.optimizer_bytes == 2 * b.param_bytes and b.unreached_grad_bytes == 0, (name, b.name)
     assert any(b.activation_bytes > 0 for b in profiles["read"].blocks if b.name.startswith("head"))
 
 

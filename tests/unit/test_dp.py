@@ -130,7 +130,12 @@ def instances(
                 param_count=params,
                 param_bytes=4 * params,
                 grad_bytes=4 * params,
-                optimizer_bytes=draw(st.sampled_from([0, 4, 8])) * params,
+                # a head the loss never reaches: no gradient on one replica, no optimizer state
+                **(
+                    {"unreached_grad_bytes": 4 * params, "optimizer_bytes": 0}
+                    if draw(st.integers(0, 4)) == 0
+                    else {"optimizer_bytes": draw(st.sampled_from([0, 4, 8])) * params}
+                ),
                 buffer_bytes=draw(st.integers(0, 500)),
                 fwd_us=fwd,
                 bwd_us=bwd,
