@@ -98,7 +98,10 @@ Each rank's measured step peak against its stage's predicted memory, 2-stage MLP
 capped by ``X``); 1.01-1.02 with them, and 0.985-1.00 on a Llama and a GPT-2 (``--model``). The floor
 ``M * c_{-1}`` (every micro-batch's input) keeps ``P + Q >= 0``, which the search's memory bounds need
 (``pass_ij <= held_j``). Crediting ``pass_ij`` took ViT-MAE's first rank from 1.10 (1F1B) and 1.23
-(Interleaved1F1B) of its measured peak to 1.00 and 1.11.
+(Interleaved1F1B) of its measured peak to 1.00 and 1.11. The finished micro-batches' sends kept under
+Interleaved1F1B are credited the larger ``relay_ij`` (:meth:`~.tables.SizeTables.relayed_through`): what the
+stage sends as received whether or not block ``j-1`` saves it, ``(msg - M) * relay_ij`` off ``P``. A value
+block ``j-1`` saves as it passes it on is an activation, not a held output (its ``saved_output_share``).
 Counting the batch once per rank, not ``1/v`` per chunk above that floor, took the measured peaks of vision
 models' interleaved ranks from 0.74-0.97 of the prediction to 0.94-1.02 (``bench/pipeline_sweep.py``).
 
@@ -349,8 +352,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         )
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
     sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
-    passed = min(cc.held[j], at.passed_through(i, j))  # its input, sent on as is: no copy held or kept
-    held = cc.batch[k] + cc.messages * sent - (cc.messages - mb) * passed
+    passed = min(cc.held[j], at.passed_through(i, j))  # its input, sent on as is: no copy held
+    relayed = at.relayed_through(i, j)  # and, saved or not, no copy kept with its finished sends
+    held = cc.batch[k] + cc.messages * sent - (cc.messages - mb) * relayed
     kept_out = cc.held[j] - passed
     q_run = infl * kept_out
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
@@ -417,6 +421,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         io_bytes=held + q,
         bound_bytes=mem,
         parts=None if v == 1 else ChunkParts(
-            st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - passed, redo, trans, y, 0 if ck else unit_casts
+            st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo, trans, y, 0 if ck else unit_casts
         ),
     )

@@ -88,6 +88,7 @@ def solve(
             # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
             pj, qj, hdj = bk + msg * sd[j], infl * hd[j], hd[j]
             pt = hdj > 0 and bool(at.passed[j])  # an output sent on as received: no copy held
+            rt = kept > 0 and bool(at.relayed[j])  # nor kept with the finished sends (saved or not)
             ilo = max(plo, start(j, room, k))
             lim, best, bi = top, INF, -1
             for i in range(min(j - 1, phi), ilo - 1, -1):
@@ -118,9 +119,9 @@ def solve(
                 st += pj + msg * rv[i]
                 q = qj
                 if pt:  # [Note: pipeline buffers]: an output sent on as received is neither held nor kept
-                    passed = min(hdj, at.passed_through(i, j))
-                    q -= infl * passed
-                    st -= kept * passed
+                    q -= infl * min(hdj, at.passed_through(i, j))
+                if rt:
+                    st -= kept * at.relayed_through(i, j)
                 if st + max(e_off + infl * (a_sum + wc) + q - infl * al[i], y) <= cap:
                     comp = fb
                 elif ck and st + max(e_on + a_sum + wc + q, y) <= cap:
@@ -239,7 +240,7 @@ def solve_memory(
                 units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc + e_on + q)
-                st += bk + msg * (rv[i] + sd[j]) - kept * passed  # [Note: pipeline buffers] in cost.py
+                st += bk + msg * (rv[i] + sd[j]) - kept * at.relayed_through(i, j)  # [Note: pipeline buffers]
                 w = (st + max(units, int(gr * yf))) / lim
                 if w < pv:
                     w = pv

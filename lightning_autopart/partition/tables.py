@@ -9,7 +9,7 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition.configs import Config, chunk_counts
 from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.optimizers import optimizer_state_factor, optimizer_transient_factor
-from lightning_autopart.profile.records import ModelProfile, cost_at
+from lightning_autopart.profile.records import BlockProfile, ModelProfile, cost_at
 
 __all__ = ["BackwardPeak", "CostTables", "RangeMax", "SizeTables", "TiedCopy"]
 
@@ -74,7 +74,8 @@ class SizeTables:
     the last stage, where the loss is priced: the runtime drops the model's outputs once the loss is computed, see
     [Note: the last stage's outputs] in runtime/outputs.py; the model's outputs where it is not); ``passed[j]``,
     per producer ``p`` (ascending), the bytes of that part made by blocks ``<= p``: a stage starting after ``p``
-    keeps them as received (:meth:`passed_through`).
+    keeps them as received (:meth:`passed_through`); ``relayed[j]``, the same over the whole cut, saved values
+    too: a stage starting after ``p`` sends them as received (:meth:`relayed_through`).
     """
 
     m: int
@@ -92,16 +93,26 @@ class SizeTables:
     send: list[int]
     held: list[int]
     passed: list[tuple[tuple[int, int], ...]]
+    relayed: list[tuple[tuple[int, int], ...]]
 
     def passed_through(self, i: int, j: int) -> int:
         """Bytes of the output held by a stage of blocks ``[i, j)`` that it received as they are (their storage is
         its receive buffer, or the batch): made before block ``i``, by no block of the stage."""
-        got = 0
-        for p, b in self.passed[j]:
-            if p >= i:
-                break
-            got = b
-        return got
+        return _made_before(self.passed[j], i)
+
+    def relayed_through(self, i: int, j: int) -> int:
+        """Bytes of the output a stage of blocks ``[i, j)`` sends that it received as they are, saved or not (at
+        least :meth:`passed_through`)."""
+        return _made_before(self.relayed[j], i)
+
+
+def _made_before(by_producer: tuple[tuple[int, int], ...], i: int) -> int:
+    got = 0
+    for p, b in by_producer:
+        if p >= i:
+            break
+        got = b
+    return got
 
 
 class BackwardPeak(RangeMax):
@@ -296,6 +307,7 @@ class CostTables:
                 send=inner,
                 held=kept,
                 passed=[(), *(_passed(b.passed_shares, c, h) for b, c, h in zip(blocks, cuts, kept[1:], strict=True))],
+                relayed=[(), *(_passed(_merged(b), c, c) for b, c in zip(blocks, cuts, strict=True))],
             )
             self._sizes[m] = got
         return got
@@ -428,6 +440,14 @@ def _passed(shares: tuple[tuple[int, float], ...], cut: int, held: int) -> tuple
         total += share
         out.append((p, min(held, round(total * cut))))
     return tuple(out)
+
+
+def _merged(block: BlockProfile) -> tuple[tuple[int, float], ...]:
+    """A block's passed shares, saved or not, per producer (ascending)."""
+    by: dict[int, float] = {}
+    for p, share in (*block.passed_shares, *block.saved_passed_shares):
+        by[p] = by.get(p, 0.0) + share
+    return tuple(sorted(by.items()))
 
 
 def _prefix_float(values: list[float]) -> list[float]:

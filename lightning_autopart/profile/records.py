@@ -99,6 +99,9 @@ class BlockProfile:
     #: ending here and starting after their producer sends them as it received them, so the output it keeps
     #: is its receive buffer or the batch (see [Note: pipeline buffers] in partition/cost.py).
     passed_shares: tuple[tuple[int, float], ...] = ()
+    #: The same for the values made before this block that it saves as it passes them on: a stage's outputs
+    #: hold them as activations, and its sends of them are its receive buffer too.
+    saved_passed_shares: tuple[tuple[int, float], ...] = ()
     #: Part of ``grad_bytes`` for parameters only blocks with every output dead use (a head the loss never
     #: reaches): no gradient is ever made for them, so a single replica never holds it; replicas' all-reduce
     #: buckets do (see [Note: unreached gradients] in partition/tables.py).
@@ -117,9 +120,13 @@ class BlockProfile:
 # Blocks are profiled apart, each on its own copy of its inputs, so a tensor that block k-1 saves as its output
 # and block k saves as its input (a ResNet block's ReLU output, which the next block's first convolution saves) is
 # counted in both blocks' ``activation_bytes``. In one stage it is one tensor; across a stage boundary it is
-# two (the receiver saves its own received copy). The profiler records which inputs and outputs each block saves
-# by name and sets ``saved_by_previous``; the planner subtracts that share of the cut from a block's activations
-# unless the block starts its stage. Counting it twice overstated ResNet-50's saved activations by 28%.
+# two (the receiver saves its own received copy). The same holds for an input that block k-1 saves and passes on
+# to block k, which saves it too (an attention's query, key and value projections captured as blocks of their
+# own, each saving the hidden states). The profiler records which inputs and outputs each block saves by name and
+# sets ``saved_by_previous``; the planner subtracts that share of the cut from a block's activations unless the
+# block starts its stage. Counting it twice overstated ResNet-50's saved activations by 28%; counting ALBERT's
+# hidden states once per projection (and once more in the output its stage kept) put an interleaved rank's
+# predicted peak at 1.107 of the measured one (1.021 since: ``bench/pipeline_sweep.py``).
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +249,10 @@ class ModelProfile:
                     "modules": tuple(b["modules"]),
                     "param_shapes": tuple((n, tuple(s)) for n, s in b["param_shapes"]),
                     "curve": tuple(tuple(p) for p in b.get("curve", ())),
-                    "passed_shares": tuple((int(k), float(x)) for k, x in b.get("passed_shares", ())),
+                    **{
+                        key: tuple((int(k), float(x)) for k, x in b.get(key, ()))
+                        for key in ("passed_shares", "saved_passed_shares")
+                    },
                 }
             )
             for b in data["blocks"]

@@ -23,14 +23,18 @@ def with_shared_saves(
     names: dict[int, tuple[frozenset[str], frozenset[str]]],
     cut_dtype: torch.dtype | None,
 ) -> list[BlockProfile]:
-    """``records`` with ``saved_by_previous`` set where block k saves an input block k-1 saves as its output
-    (see [Note: saved twice] in records.py; 0 where block k-1 was not profiled here), and with the shares of the
-    cuts around each block that it saves as they are (its ``saved_input_share`` and ``saved_output_share``)."""
+    """``records`` with ``saved_by_previous`` set where block k saves an input block k-1 saves too, as its output
+    or as an input it passes on (see [Note: saved twice] in records.py; 0 where block k-1 was not profiled here),
+    and with the shares of the cuts around each block that it saves as they are (its ``saved_input_share`` and
+    ``saved_output_share``, a saved input it passes on included)."""
 
     def share(tensors: Sequence[TensorInfo], saved: frozenset[str]) -> float:
         total = sum(scaled_nbytes(t, cut_dtype) for t in tensors)
         part = sum(scaled_nbytes(t, cut_dtype) for t in tensors if t.name in saved)
         return min(1.0, part / total) if total > 0 else 0.0
+
+    def every(k: int) -> frozenset[str]:  # a saved input that goes on past the block is a saved output too
+        return names[k][0] | names[k][1]
 
     out = []
     for record, k in zip(records, indices, strict=True):
@@ -39,11 +43,12 @@ def with_shared_saves(
             record = dataclasses.replace(
                 record,
                 saved_input_share=share(before, names[k][0]),
-                saved_output_share=share(captured.cuts[k], names[k][1]),
-                passed_shares=_passed(captured.cuts[k], k, names[k][1], cut_dtype),
+                saved_output_share=share(captured.cuts[k], every(k)),
+                passed_shares=_passed(captured.cuts[k], k, every(k), cut_dtype, saved=False),
+                saved_passed_shares=_passed(captured.cuts[k], k, every(k), cut_dtype, saved=True),
             )
         if k > 0 and k - 1 in names and k in names:
-            both = share(captured.cuts[k - 1], names[k][0] & names[k - 1][1])
+            both = share(captured.cuts[k - 1], names[k][0] & every(k - 1))
             if both > 0:
                 record = dataclasses.replace(record, saved_by_previous=both)
         out.append(record)
@@ -51,14 +56,15 @@ def with_shared_saves(
 
 
 def _passed(
-    cut: Sequence[TensorInfo], k: int, saved: frozenset[str], cut_dtype: torch.dtype | None
+    cut: Sequence[TensorInfo], k: int, names: frozenset[str], cut_dtype: torch.dtype | None, saved: bool
 ) -> tuple[tuple[int, float], ...]:
-    """Per producer before block ``k`` (ascending), the share of ``cut`` it made that block ``k`` does not save and
-    that the wire sends as received (not a one-byte integer, which travels converted: [Note: wire format])."""
+    """Per producer before block ``k`` (ascending), the share of ``cut`` it made that block ``k`` does not save
+    (``saved``: does save, ``names``) and that the wire sends as received (not a one-byte integer, which travels
+    converted: [Note: wire format])."""
     total = sum(scaled_nbytes(t, cut_dtype) for t in cut)
     by: dict[int, int] = {}
     for t in cut:
-        if t.producer < k and t.name not in saved and _as_received(t.dtype):
+        if t.producer < k and (t.name in names) == saved and _as_received(t.dtype):
             by[t.producer] = by.get(t.producer, 0) + scaled_nbytes(t, cut_dtype)
     return tuple((p, min(1.0, b / total)) for p, b in sorted(by.items()) if b > 0) if total > 0 else ()
 

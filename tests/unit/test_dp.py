@@ -153,6 +153,8 @@ def instances(
                 saved_output_share=draw(st.sampled_from([0.0, 0.6, 1.0])),
                 # outputs a stage sends on as it received them (made before it): not held twice
                 passed_shares=draw(st.sampled_from([(), ((-1, 0.3),), ((-1, 0.2), *(((k - 1, 0.5),) if k else ()))])),
+                # and those it saves as it passes them on: their sends are no copy either
+                saved_passed_shares=draw(st.sampled_from([(), ((-1, 0.1),), (((k - 1, 0.2),) if k else ())])),
                 curve=draw(_curves(b0)),
                 # host-bound blocks (host time beyond the device's: priced as max(device, host) per stage)
                 host_fwd_us=draw(st.sampled_from([0.0, 0.0, fwd * 3.0]) | st.floats(0.0, 3000.0)),

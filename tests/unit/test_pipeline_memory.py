@@ -41,6 +41,41 @@ def test_blocks_record_the_shares_of_their_cuts_they_save() -> None:
     assert shares["d"] == (0.0, 1.0)
 
 
+class Projections(nn.Module):
+    """An attention's projections as blocks of their own (ALBERT's shared layer is captured so): ``q``, ``k`` and
+    ``v`` each save the same input ``h``, which goes on past them to ``out``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.q, self.k, self.v = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.out = nn.Linear(128, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        return self.out(torch.cat([h, q, k, v], dim=-1))
+
+
+def test_an_input_several_blocks_save_is_one_tensor_in_a_stage() -> None:
+    prof = profile_model(Projections(), torch.randn(8, 16), profile="estimate", up_to=8)
+    blocks = {b.name: b for b in prof.blocks}
+    assert all(blocks[n].activation_bytes == 8 * 32 * 4 for n in "qkv")  # each saves h, profiled apart
+    # k and v save the h that the block before them saves too (q's input, k's input): one tensor in a stage
+    assert (blocks["k"].saved_by_previous, blocks["v"].saved_by_previous) == (0.5, pytest.approx(1 / 3))
+    assert blocks["v"].saved_output_share == 0.25  # h goes on to out as v saved it: no second copy held
+    cluster = Cluster(
+        nodes=1, devices_per_node=1, device_memory_bytes=1 << 30, intra_node_bw=1e6, inter_node_bw=1e5,
+        intra_allreduce_bw=1e3, inter_allreduce_bw=1e2,
+    )
+    at = CostTables(prof, cluster).at(8)
+    # a stage of q and k receives h and sends it on, saved: its activations hold it, its sends are no copy
+    assert (at.passed_through(1, 3), at.relayed_through(1, 3)) == (0, 8 * 32 * 4)
+    whole = at.acts[-1] - at.acts[0] + at.shared[0]  # one stage: x, h and the concatenation, once each
+    assert whole == (8 * 16 + 8 * 32 + 8 * 128) * 4 + sum(
+        b.activation_bytes for b in prof.blocks if b.name not in ("inp", "q", "k", "v", "out")
+    )
+
+
 class StepLike:
     """What the strategy's step loss carries: the batch it was made from and its size."""
 
@@ -144,15 +179,20 @@ def test_what_a_stage_sends_on_as_received_is_not_held_twice() -> None:
     assert [b.name for b in prof.blocks][:2] == ["a", "b"]
     x, keep, scale = 16 * 4, 16, 16 * 8  # per sample
     cut_a, cut_b = x + keep + scale + 32 * 4, x + keep + scale + 32 * 4
-    assert prof.blocks[0].passed_shares == ((-1, pytest.approx((x + scale) / cut_a)),)  # keep is one byte wide
+    # a's Linear saves x as it passes it on; keep is one byte wide
+    assert prof.blocks[0].passed_shares == ((-1, pytest.approx(scale / cut_a)),)
+    assert prof.blocks[0].saved_passed_shares == ((-1, pytest.approx(x / cut_a)),)
     assert prof.blocks[1].passed_shares == ((-1, pytest.approx((x + scale) / cut_b)),)
+    assert prof.blocks[1].saved_passed_shares == ()
     cluster = Cluster(
         nodes=1, devices_per_node=2, device_memory_bytes=1 << 30, intra_node_bw=1e6, inter_node_bw=1e5,
         intra_allreduce_bw=1e3, inter_allreduce_bw=1e2,
     )
     at = CostTables(prof, cluster).at(2)
     assert at.passed_through(0, 2) == at.passed_through(1, 2) == 2 * (x + scale)
-    assert at.passed_through(0, 1) == 2 * (x + scale) and at.passed_through(0, 3) == 0  # the model's outputs
+    assert at.passed_through(0, 1) == 2 * scale and at.passed_through(0, 3) == 0  # the model's outputs
+    # what a stage sends as received, saved or not: no copy kept with its finished sends either
+    assert at.relayed_through(0, 1) == at.relayed_through(0, 2) == 2 * (x + scale)
     # Stage [0, 2) of a 2-stage 1F1B holds 2 micro-batches of 2 samples in flight; without the record it held a
     # copy of x and scale for each.
     cfg, ends = Config(1, 2, 4, "1F1B"), (0, 2, len(prof.blocks))
