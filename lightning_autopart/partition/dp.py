@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 
 from lightning_autopart.partition.bounds import Relaxation
 from lightning_autopart.partition.cost import INF, ConfigCosts, CostTables
-from lightning_autopart.partition.fresh import fresh_excesses
+from lightning_autopart.partition.fresh import fresh_excesses, sent_back
 
 __all__ = ["Budget", "solve", "solve_memory"]
 
@@ -61,6 +61,8 @@ def solve(
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
     kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)
+    mbs, gp = cc.cfg.micro_batches, cc.cfg.schedule == "GPipe"
+    back = cc.v == 1 and mbs > 1  # earlier input gradients held for their sends (fresh.py)
     tied = tables.tied
     kk, v, ck = cc.ticks, cc.v, cc.checkpointing
     host, adds, stp, hfb, hf = cc.host, cc.host_adds, cc.step_host, cc.host_fb, cc.host_f
@@ -86,7 +88,7 @@ def solve(
             pfj, pbj, psj, paj, pgj, po, ooj = pf[j], pb[j], ps[j], pa[j], pg[j], pout[j], po_[j]
             hfbj, hfj = hfb[j], hf[j]
             # [Note: pipeline buffers] in cost.py: the batch and buffers (P) and the outputs held (Q), by j.
-            pj, qj, hdj = bk + msg * sd[j], infl * hd[j], hd[j]
+            pj, hdj = bk + msg * sd[j], hd[j]
             pt = hdj > 0 and bool(at.passed[j])  # an output sent on as received: no copy held
             rt = kept > 0 and bool(at.relayed[j])  # nor kept with the finished sends (saved or not)
             ilo = max(plo, start(j, room, k))
@@ -117,9 +119,13 @@ def solve(
                     e_off, e_on = fresh_excesses(x, ftrans(i, j), gr, capped, a_sum + wc, cin[i], later)
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
-                q = qj
+                ko = hdj
                 if pt:  # [Note: pipeline buffers]: an output sent on as received is neither held nor kept
-                    q -= infl * min(hdj, at.passed_through(i, j))
+                    ko -= min(hdj, at.passed_through(i, j))
+                q = infl * ko
+                if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
+                    e_off += sent_back(rv[i], a_sum + wc + ko - al[i], infl, mbs, gp)
+                    e_on += sent_back(rv[i], max(0, ko - cin[i]), infl, mbs, gp)
                 if rt:
                     st -= kept * at.relayed_through(i, j)
                 if st + max(e_off + infl * (a_sum + wc) + q - infl * al[i], y) <= cap:
@@ -201,6 +207,8 @@ def solve_memory(
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
     kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)
+    mbs, gp = cc.cfg.micro_batches, cc.cfg.schedule == "GPipe"
+    back = cc.v == 1 and mbs > 1  # earlier input gradients held for their sends (fresh.py)
     v, ck = cc.v, cc.checkpointing
     top = tau if tau < INF else _HUGE
     prev = [INF] * (n + 1)
@@ -230,13 +238,16 @@ def solve_memory(
                             st += tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                             gr += tc.grad_bytes
                 x = trans(i, j)
-                passed = min(hd[j], at.passed_through(i, j))
-                q = infl * (hd[j] - passed)
+                ko = hd[j] - min(hd[j], at.passed_through(i, j))
+                q = infl * ko
                 wc = pc[j] - pc[i]  # [Note: weight casts] in cost.py
                 e_off = e_on = x
                 if fresh:
                     xf = at.fresh_transient(i, j)
                     e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1)
+                if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
+                    e_off += sent_back(rv[i], a_sum + wc + ko - al[i], infl, mbs, gp)
+                    e_on += sent_back(rv[i], max(0, ko - cin[i]), infl, mbs, gp)
                 units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc + e_on + q)

@@ -168,7 +168,9 @@ def test_one_f_one_b_holds_fewer_micro_batches() -> None:
     ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3))
     assert [s.in_flight for s in ev.stages] == [2, 1]
     assert ev.stages[0].memory_bytes == 570 + 1000 + (2 * 150 + 800 + 2 * (100 - 150))
-    assert ev.stages[1].memory_bytes == 240 + 1000 + 400 + 25
+    # Stage 1's later backwards meet the previous micro-batch's input gradients (100), held for their send
+    # ([Note: input gradients in flight] in fresh.py).
+    assert ev.stages[1].memory_bytes == 240 + 1000 + 400 + 25 + 100
 
 
 def test_interleaved_chunks_and_step_time() -> None:
@@ -295,7 +297,11 @@ def test_fresh_gradients_leave_the_peak() -> None:
     assert two.stages[0].memory_bytes == 810 + 300 + 1200 + 800
     # 1F1B with more micro-batches than in flight: each stage runs a forward after its first backward.
     ev = evaluate_config(tables, Config(1, 2, 4, "1F1B"), 4, (0, 2, 3), checkpointing=False)
-    assert [s.memory_bytes for s in ev.stages] == [570 + 1000 + 2 * 800 + 700 + 200, 240 + 1000 + 400 + 800 + 25]
+    # Stage 1's later backwards meet one earlier micro-batch's input gradients too (100 bytes).
+    assert [s.memory_bytes for s in ev.stages] == [
+        570 + 1000 + 2 * 800 + 700 + 200,
+        240 + 1000 + 400 + 800 + 25 + 100,
+    ]
     # One stage, one micro-batch: plain training; the gradients are made during its only backward, and last
     # step's outlive the forward (plain Lightning): at m = 2, the larger of the forward's end with them (u + 200)
     # and the last block's backward (its 1600 over all 2400 bytes of activations, none of the state's 200 bytes
@@ -364,7 +370,8 @@ def test_a_stage_holds_the_batch_and_its_pipeline_buffers() -> None:
     # Stage 1: the batch, 4 activation receive buffers (4 x 200), of which its one micro-batch in flight saves
     # 100 bytes (counted in its activations already), and the model's output (25) kept until its backward.
     assert s1.io_bytes == 1600 + 4 * 200 - 100 + 25
-    assert s1.memory_bytes == 400 + s1.io_bytes + 700
+    # Its later backwards meet the previous micro-batch's input gradients (200), held for their send.
+    assert s1.memory_bytes == 400 + s1.io_bytes + 700 + 200
     # One stage runs no schedule: the batch alone, its input views saved by block a (none) not counted twice.
     one = evaluate_config(CostTables(prof, _cluster()), Config(1, 1, 4, "GPipe"), 4, (0, 3), checkpointing=False)
     assert one.stages[0].io_bytes == 1600
@@ -453,3 +460,15 @@ def test_a_head_the_loss_never_reaches_has_gradients_only_in_replicas_buckets() 
     assert two.stages[1].allreduce_us == evaluate_config(
         CostTables(reached, _cluster()), Config(2, 2, 2, "1F1B"), 4, (0, 2, 3)
     ).stages[1].allreduce_us > 0
+
+
+def test_later_backwards_meet_the_input_gradients_still_being_sent() -> None:
+    """[Note: input gradients in flight] in fresh.py: r bytes of input gradients per micro-batch, u freed by a
+    finished micro-batch."""
+    from lightning_autopart.partition.fresh import sent_back
+
+    assert sent_back(100, 300, 1, 4, gpipe=False) == 100  # 1F1B, fewer in flight than micro-batches
+    assert sent_back(100, 30, 4, 4, gpipe=False) == 70  # all in flight: one fewer by its second backward
+    assert sent_back(100, 300, 4, 4, gpipe=False) == 0
+    assert sent_back(100, 30, 4, 4, gpipe=True) == 3 * 70  # GPipe's last backward holds three earlier sends
+    assert sent_back(100, 30, 1, 1, gpipe=False) == sent_back(0, 0, 2, 4, gpipe=True) == 0
