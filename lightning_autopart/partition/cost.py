@@ -153,7 +153,8 @@ from typing import NamedTuple
 from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
 from lightning_autopart.partition.fresh import fresh_excesses, fresh_stages, sent_back
 from lightning_autopart.partition.placement import link_pattern
-from lightning_autopart.partition.tables import CostTables, SizeTables, TiedCopy
+from lightning_autopart.partition.tables import CostTables, SizeTables
+from lightning_autopart.partition.tied import TiedCopy
 
 __all__ = [
     "CHUNKS",

@@ -37,7 +37,7 @@ from lightning_autopart.partition.cost import (
     stage_cost,
 )
 from lightning_autopart.partition.placement import LAYOUTS
-from lightning_autopart.partition.tables import TiedCopy
+from lightning_autopart.partition.tied import TiedCopy
 from lightning_autopart.profile.records import ModelProfile
 
 __all__ = ["Evaluation", "evaluate", "evaluate_config", "share_rank_peaks"]

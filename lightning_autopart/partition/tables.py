@@ -7,34 +7,12 @@ from dataclasses import dataclass
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition.configs import Config, chunk_counts
+from lightning_autopart.partition.tied import tied_copies
 from lightning_autopart.profile.loader import LoaderCost
-from lightning_autopart.profile.optimizers import optimizer_state_factor, optimizer_transient_factor
+from lightning_autopart.profile.optimizers import optimizer_transient_factor
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, cost_at
 
-__all__ = ["BackwardPeak", "CostTables", "RangeMax", "SizeTables", "TiedCopy"]
-
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class TiedCopy:
-    """A tied parameter: stages that use it without holding its owner block keep a full copy."""
-
-    name: str
-    owner: int
-    #: ``next_user[i]``: smallest user block index >= i (L when none).
-    next_user: tuple[int, ...]
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    param_count: int
-    #: Optimizer step time of the copy (the owner block's, in proportion to the parameter's bytes).
-    optimizer_us: float = 0.0
-
-    def copied_by(self, i: int, j: int) -> bool:
-        """Whether a stage of blocks ``[i, j)`` uses the parameter without its owner block: it keeps a copy."""
-        return i > self.owner and self.next_user[i] < j
-
+__all__ = ["BackwardPeak", "CostTables", "RangeMax", "SizeTables"]
 
 class RangeMax:
     """The largest of ``values[i:j]`` in O(1) (a sparse table, O(L log L) to build)."""
@@ -139,52 +117,6 @@ class BackwardPeak(RangeMax):
         return super().__call__(i, j) + self._offset[j] if j > i else 0
 
 
-def _tied_copies(profile: ModelProfile) -> tuple[TiedCopy, ...]:
-    blocks = profile.blocks
-    n = len(blocks)
-    try:
-        factor = optimizer_state_factor(profile.optimizer)
-    except ConfigError:
-        total = sum(b.param_bytes for b in blocks)
-        factor = sum(b.optimizer_bytes for b in blocks) / total if total else 0.0
-    copies = []
-    for t in profile.tied:
-        users = sorted({u for u in t.blocks if 0 <= u < n})
-        if len(users) < 2:
-            continue
-        owner = users[0]
-        count = 0
-        for name, shape in blocks[owner].param_shapes:
-            if name == t.name:
-                count = 1
-                for d in shape:
-                    count *= d
-        if count == 0:
-            count = t.param_bytes // _ITEMSIZE.get(profile.dtype, 4)
-        trainable = blocks[owner].grad_bytes > 0
-        share = t.param_bytes / blocks[owner].param_bytes if blocks[owner].param_bytes else 0.0
-        nxt = [n] * (n + 1)
-        k, cur = len(users) - 1, n
-        for i in range(n, -1, -1):
-            if k >= 0 and users[k] == i:
-                cur = i
-                k -= 1
-            nxt[i] = cur
-        copies.append(
-            TiedCopy(
-                t.name,
-                owner,
-                tuple(nxt),
-                t.param_bytes,
-                t.param_bytes if trainable else 0,
-                round(t.param_bytes * factor) if trainable else 0,
-                count,
-                blocks[owner].optimizer_us * share if trainable else 0.0,
-            )
-        )
-    return tuple(copies)
-
-
 def _prefix(values: list[int]) -> list[int]:
     out = [0]
     acc = 0
@@ -231,7 +163,7 @@ class CostTables:
         self.host_f = _prefix_float([b.host_fwd_us for b in blocks])
         #: Bytes the optimizer step allocates per byte of trainable parameters (its transient).
         self.opt_transient = optimizer_transient_factor(profile.optimizer)
-        self.tied = _tied_copies(profile)
+        self.tied = tied_copies(profile)
         #: Per block, the gradients its backward makes: a tied weight's by its last user's, which runs first
         #: ([Note: backward's peak]).
         made = [b.grad_bytes - b.unreached_grad_bytes for b in blocks]

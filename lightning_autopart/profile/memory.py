@@ -88,7 +88,8 @@ def account_memory(
 
     owner = {key: min(blocks) for key, blocks in users.items() if blocks}
     # a block whose every output is dead (Block.dead_outputs) passes no gradient to its parameters: no
-    # optimizer state, and a gradient buffer only in replicas' buckets ([Note: unreached gradients])
+    # optimizer state, and a gradient buffer only in replicas' buckets ([Note: unreached gradients] in
+    # partition/fresh.py)
     dead = {pos for pos, b in enumerate(captured.blocks) if b.outputs and len(b.dead_outputs) == len(b.outputs)}
     memory = []
     for pos in range(len(captured.blocks)):

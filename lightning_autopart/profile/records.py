@@ -104,7 +104,7 @@ class BlockProfile:
     saved_passed_shares: tuple[tuple[int, float], ...] = ()
     #: Part of ``grad_bytes`` for parameters only blocks with every output dead use (a head the loss never
     #: reaches): no gradient is ever made for them, so a single replica never holds it; replicas' all-reduce
-    #: buckets do (see [Note: unreached gradients] in partition/tables.py).
+    #: buckets do (see [Note: unreached gradients] in partition/fresh.py).
     unreached_grad_bytes: int = 0
     #: Host time (Python, dispatch, kernel launches) of the forward and of the backward, per micro-batch, on a
     #: device the host feeds ahead of time (CUDA; see [Note: host and device] in cuda_clock.py). 0: unknown, or
