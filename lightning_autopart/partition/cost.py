@@ -151,7 +151,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
-from lightning_autopart.partition.fresh import fresh_excesses, fresh_stages, sent_back
+from lightning_autopart.partition.fresh import fresh_excesses, fresh_stages, sent_backs
 from lightning_autopart.partition.placement import link_pattern
 from lightning_autopart.partition.tables import CostTables, SizeTables
 from lightning_autopart.partition.tied import TiedCopy
@@ -360,9 +360,9 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     q_run = infl * kept_out
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
     if v == 1 and at.recv[i]:  # earlier input gradients held for their sends ([Note: input gradients in flight])
-        gp = cc.cfg.schedule == "GPipe"
-        e_off += sent_back(at.recv[i], a_sum + unit_casts + kept_out - at.alias[i], infl, mb, gp)
-        e_on += sent_back(at.recv[i], max(0, kept_out - at.stage_input[i]), infl, mb, gp)
+        unit = a_sum + unit_casts + kept_out - at.alias[i]
+        b_off, b_on = sent_backs(at.recv[i], unit, kept_out, at.stage_input[i], infl, mb, cc.cfg.schedule == "GPipe")
+        e_off, e_on = e_off + b_off, e_on + b_on
     fits = True
     if st + held + max(act_off + e_off + q_off + casts_off, y) <= cap:
         ck, act, e, q = False, act_off, e_off, q_off

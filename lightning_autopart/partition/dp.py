@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 
 from lightning_autopart.partition.bounds import Relaxation
 from lightning_autopart.partition.cost import INF, ConfigCosts, CostTables
-from lightning_autopart.partition.fresh import fresh_excesses, sent_back
+from lightning_autopart.partition.fresh import fresh_excesses, sent_backs
 
 __all__ = ["Budget", "solve", "solve_memory"]
 
@@ -124,8 +124,8 @@ def solve(
                     ko -= min(hdj, at.passed_through(i, j))
                 q = infl * ko
                 if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
-                    e_off += sent_back(rv[i], a_sum + wc + ko - al[i], infl, mbs, gp)
-                    e_on += sent_back(rv[i], max(0, ko - cin[i]), infl, mbs, gp)
+                    b_off, b_on = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp)
+                    e_off, e_on = e_off + b_off, e_on + b_on
                 if rt:
                     st -= kept * at.relayed_through(i, j)
                 if st + max(e_off + infl * (a_sum + wc) + q - infl * al[i], y) <= cap:
@@ -246,8 +246,8 @@ def solve_memory(
                     xf = at.fresh_transient(i, j)
                     e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1)
                 if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
-                    e_off += sent_back(rv[i], a_sum + wc + ko - al[i], infl, mbs, gp)
-                    e_on += sent_back(rv[i], max(0, ko - cin[i]), infl, mbs, gp)
+                    b_off, b_on = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp)
+                    e_off, e_on = e_off + b_off, e_on + b_on
                 units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc + e_on + q)

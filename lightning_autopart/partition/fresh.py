@@ -38,7 +38,7 @@ from __future__ import annotations
 from lightning_autopart.partition.configs import Config, in_flight
 from lightning_autopart.partition.tables import CostTables
 
-__all__ = ["fresh_excess", "fresh_excesses", "fresh_stages", "sent_back"]
+__all__ = ["fresh_excess", "fresh_excesses", "fresh_stages", "sent_back", "sent_backs"]
 
 
 def fresh_stages(tables: CostTables, cfg: Config) -> list[bool]:
@@ -85,3 +85,14 @@ def sent_back(r: int, unit: int, in_flight: int, mb: int, gpipe: bool) -> int:
     if in_flight < mb:
         return r
     return r - unit if r > unit else 0
+
+
+def sent_backs(
+    r: int, unit: int, kept_out: int, stage_input: int, in_flight: int, mb: int, gpipe: bool
+) -> tuple[int, int]:
+    """:func:`sent_back` without and with checkpointing: a finished micro-batch frees ``unit`` (its activations,
+    casts and kept output less what its input shares), or only its kept output beyond its checkpointed input."""
+    return (
+        sent_back(r, unit, in_flight, mb, gpipe),
+        sent_back(r, max(0, kept_out - stage_input), in_flight, mb, gpipe),
+    )

@@ -14,6 +14,7 @@ from lightning_autopart.profile.records import BlockProfile, ModelProfile, cost_
 
 __all__ = ["BackwardPeak", "CostTables", "RangeMax", "SizeTables"]
 
+
 class RangeMax:
     """The largest of ``values[i:j]`` in O(1) (a sparse table, O(L log L) to build)."""
 
@@ -85,6 +86,7 @@ class SizeTables:
 
 
 def _made_before(by_producer: tuple[tuple[int, int], ...], i: int) -> int:
+    """The cumulative bytes of the producers before block ``i`` (``by_producer`` ascending, cumulative)."""
     got = 0
     for p, b in by_producer:
         if p >= i:
