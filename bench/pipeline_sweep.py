@@ -1,8 +1,9 @@
 """Hugging Face architectures beyond the test tier, pipelined for real: each trained under AutoPartitionStrategy
 on 2 gloo ranks (2 stages, 4 micro-batches) against plain one-process Lightning on the same batches.
 
-Usage: ``python bench/pipeline_sweep.py [--schedules 1F1B Interleaved1F1B] [--parts] [-- NAME ...]`` (default: every
-architecture of tests/hf_architectures.py and bench/hf_sweep.py). Configs only (random weights, dropout off,
+Usage: ``python bench/pipeline_sweep.py [--schedules 1F1B Interleaved1F1B] [--parts] [--spec cpu] [-- NAME ...]``
+(default: every architecture of tests/hf_architectures.py and bench/hf_sweep.py). ``--spec cpu`` prices the
+CPU's own kernels (its attention, its autocast lists); the strategy's estimate on a CPU job prices an A100's. Configs only (random weights, dropout off,
 nothing downloaded). The step is generic (the mean square of the model's first output, as a user's own loss
 on logits would read it). Per architecture and schedule it prints the largest relative difference of the
 logged losses and of the trained parameters (``|p - q| / (|q| + 1e-6 sqrt(n))``: a key projection's bias has a
@@ -113,6 +114,10 @@ def _pipelined(case: dict[str, Any]) -> dict[str, Any]:
     from lightning_autopart.runtime.topology import place
     from tests.census import StepPeak, stage_buffers
 
+    if case.get("spec"):  # the spec a CPU job's estimate prices (the strategy's default is a GPU's)
+        import lightning_autopart.lightning.first_batch as first_batch
+
+        first_batch._ESTIMATE_SPEC = case["spec"]
     strategy = AutoPartitionStrategy(
         num_stages=2, micro_batches=MICRO, schedule=case["schedule"], profile="estimate"
     )
@@ -188,6 +193,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*")
     parser.add_argument("--schedules", nargs="+", default=["1F1B", "Interleaved1F1B"])
     parser.add_argument("--parts", action="store_true", help="print each rank's stages as the plan prices them")
+    parser.add_argument("--spec", help="the device spec the estimate prices (default: the strategy's)")
     parser.add_argument("--worker", nargs=3, metavar=("CASES", "OUT", "FIRST"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -196,7 +202,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     names = args.names or [*ARCHITECTURES, *(n for n in SWEEP if n not in ARCHITECTURES)]
-    cases = [{"name": n, "schedule": s} for n in names for s in args.schedules]
+    cases = [{"name": n, "schedule": s, "spec": args.spec} for n in names for s in args.schedules]
     out = Path(tempfile.mkdtemp(prefix="pipeline_sweep-"))
     (out / "cases.json").write_text(json.dumps(cases))
     first = 0

@@ -327,6 +327,11 @@ class ChunkParts(NamedTuple):
     optimizer: int
     #: Autocast's weight copies of one micro-batch in flight ([Note: weight casts]).
     casts: int = 0
+    #: The gradients in ``state`` that do not exist before the chunk's first backward (one replica, dropped at
+    #: the step's start), and what that backward holds beyond its activations as it makes them ([Note: fresh
+    #: gradients] in fresh.py; ``transient`` where none are missing).
+    grads: int = 0
+    first: int = 0
 
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
@@ -425,7 +430,20 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         data_us=data,
         io_bytes=held + q,
         bound_bytes=mem,
-        parts=None if v == 1 else ChunkParts(
-            st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo, trans, y, 0 if ck else unit_casts
+        parts=None if v == 1 else _chunk_parts(
+            tables, cc, i, j, st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo, trans, y,
+            0 if ck else unit_casts, grad - tg,  # a tied copy's gradient: counted as present
         ),
-    )
+    )  # fmt: skip
+
+
+def _chunk_parts(
+    tables: CostTables, cc: ConfigCosts, i: int, j: int, *parts: int
+) -> ChunkParts:
+    """An interleaved chunk's :class:`ChunkParts`; the last of ``parts`` is its gradients, missing before its
+    first backward unless replicas' buckets or accumulation keep them ([Note: fresh gradients] in fresh.py)."""
+    *head, grad = parts
+    q = ChunkParts(*head)
+    if cc.cfg.replicas > 1 or tables.persistent_grads or not grad:
+        return q._replace(first=q.transient)
+    return q._replace(grads=grad, first=min(cc.at.fresh_transient(i, j), q.transient + grad))

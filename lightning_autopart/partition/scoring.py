@@ -16,6 +16,15 @@ moment), so a rank's chunks add up to it; a tied parameter several of its chunks
 counts once. On 2 gloo ranks x 2 chunks (``bench/pipeline_peak.py --cases
 Interleaved1F1B:4``), the chunks summed with the old per-chunk counts read 1.155 and 1.169 of each rank's
 measured peak; this reads 1.021 and 1.020.
+
+[Note: a chunk's first backward] With one replica and gradients dropped at the step's start, a chunk's
+gradients do not exist before its first backward, which makes them as it goes ([Note: fresh gradients] in
+fresh.py: ``first``, its ``fresh_transient``, in place of ``transient``). So a moment leaves out the gradients
+(``ChunkParts.grads``) of every chunk with ``d_c == 0``, and a share reports the gradients that exist then. A
+rank's chunks back-propagate last to first, so chunk 0's first backward, often the rank's peak, meets only the
+later chunks' gradients. A tied gradient two chunks of a rank share counts as there from the start (another
+chunk's backward may make it), and so does a tied copy's. Qwen2's first rank (2 ranks x 2 chunks, the CPU's
+kernels) read 1.12 of its measured peak counting every gradient there.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.partition.configs import interleaved_moments, shares_for
 from lightning_autopart.partition.cost import (
     CHUNKS,
+    ChunkParts,
     Config,
     CostTables,
     StageCost,
@@ -141,9 +151,9 @@ def share_rank_peaks(
             raise ValueError(f"stage costs of rank {p} lack their parts: not priced for {cfg.schedule}")
         top, moment = -1, ((0,) * v, (0,) * v, 0)
         for held, done, b in interleaved_moments(s, cfg.micro_batches, v, p):
-            x = parts[b].recompute + parts[b].transient
+            x = parts[b].recompute + _running(parts[b], done[b])
             for n, d, q in zip(held, done, parts, strict=True):
-                x += n * (q.activation + q.held + q.casts) + d * q.sent
+                x += n * (q.activation + q.held + q.casts) + d * q.sent - (0 if d else q.grads)
             if x > top:
                 top, moment = x, (held, done, b)
         held, done, b = moment
@@ -152,34 +162,51 @@ def share_rank_peaks(
             n, on = held[c], c == b
             act = n * q.activation + (q.recompute if on else 0)
             io = q.io + n * q.held + done[c] * q.sent
-            trans = q.transient + extra if on else 0
+            trans = _running(q, done[c]) + extra if on else 0
+            missing = 0 if done[c] else q.grads  # [Note: a chunk's first backward]
             out[p + c * s] = replace(
                 sc, in_flight=n, activation_bytes=act, io_bytes=io, transient_bytes=trans,
+                grad_bytes=sc.grad_bytes - missing,
                 buffer_bytes=sc.buffer_bytes + (n - sc.in_flight) * q.casts,
-                memory_bytes=q.state + n * q.casts + io + act + trans,
+                memory_bytes=q.state - missing + n * q.casts + io + act + trans,
             )  # fmt: skip
     return tuple(out)
+
+
+def _running(q: ChunkParts, done: int) -> int:
+    """What a chunk's backward holds beyond its activations: at its first (``done == 0``), with the gradients it
+    makes as it goes ([Note: a chunk's first backward])."""
+    return q.transient if done else q.first
 
 
 def _shared_on_rank(
     stages: tuple[StageCost, ...], s: int, v: int, tied: Sequence[TiedCopy]
 ) -> tuple[StageCost, ...]:
     """``stages`` with a tied parameter counted once per rank: a chunk whose rank holds it already in an earlier
-    chunk (its owner block, or a copy) drops its copy from its state (ALBERT's one layer in every chunk)."""
+    chunk (its owner block, or a copy) drops its copy from its state (ALBERT's one layer in every chunk), and its
+    owner counts its gradient as there from the start ([Note: a chunk's first backward])."""
     out = list(stages)
     for p in range(s):
         for tc in tied:
-            held = False
-            for c in range(v):
+            users = [
+                c for c in range(v)
+                if tc.copied_by(out[p + c * s].block_start, out[p + c * s].block_end)
+                or out[p + c * s].block_start <= tc.owner < out[p + c * s].block_end
+            ]  # fmt: skip
+            for c in users[1:]:
                 sc = out[p + c * s]
-                i, j = sc.block_start, sc.block_end
-                copy = tc.copied_by(i, j)
-                if copy and held and sc.parts is not None:
+                if sc.parts is not None and tc.copied_by(sc.block_start, sc.block_end):
                     drop = tc.param_bytes + tc.grad_bytes + tc.optimizer_bytes
                     out[p + c * s] = replace(
                         sc, param_bytes=sc.param_bytes - tc.param_bytes, grad_bytes=sc.grad_bytes - tc.grad_bytes,
                         optimizer_bytes=sc.optimizer_bytes - tc.optimizer_bytes,
                         parts=sc.parts._replace(state=sc.parts.state - drop),
                     )  # fmt: skip
-                held = held or copy or i <= tc.owner < j
+            if len(users) < 2:
+                continue
+            sc = out[p + users[0] * s]  # its owner, when on this rank: another chunk may make its gradient first
+            if sc.parts is not None and sc.block_start <= tc.owner < sc.block_end:
+                out[p + users[0] * s] = replace(
+                    sc, parts=sc.parts._replace(grads=max(0, sc.parts.grads - tc.grad_bytes))
+                )  # fmt: skip
     return tuple(out)

@@ -81,16 +81,19 @@ def _profile(seed: int, n: int) -> ModelProfile:
 
 def _replay(parts: list, stages: int, micro_batches: int, rank: int) -> int:
     """A rank's peak, replaying torch's actions: a forward keeps a micro-batch's activations and output, a
-    backward adds its recomputation and transient while it runs, then leaves what its messages keep."""
+    backward adds its recomputation and transient while it runs, then leaves what its messages keep. A chunk's
+    gradients appear at its first backward, which holds ``first`` (those it makes as it goes) instead."""
     base = sum(q.state + q.io for q in parts)
-    now = top = 0
+    now = top = -sum(q.grads for q in parts)
+    made = set()
     for kind, c in _torch_ops(stages, micro_batches, len(parts), rank):
         q = parts[c]
         if kind == "F":
             now += q.activation + q.held
         else:
-            top = max(top, now + q.recompute + q.transient)
-            now += q.sent - q.activation - q.held
+            top = max(top, now + q.recompute + (q.transient if c in made else q.first))
+            now += q.sent - q.activation - q.held + (0 if c in made else q.grads)
+            made.add(c)
     return base + max(top, sum(q.optimizer for q in parts))
 
 
