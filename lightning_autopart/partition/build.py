@@ -140,7 +140,7 @@ def batch_statistics_note(norms: list[str], samples: int, micro_batches: int) ->
 
 def memory_table(ev: Evaluation) -> str:
     """Per-stage memory table (params / grads / optimizer / activations / total vs limit) of ``ev``."""
-    # An interleaved chunk is judged alone ([Note: a rank's chunks] in scoring.py): its bound, then its share.
+    # An interleaved chunk is judged alone ([Note: a rank's chunks] in ranks.py): its bound, then its share.
     head: tuple[str, ...] = ("stage", "blocks", "params", "grads", "optimizer", "activations", "transient", "total",
                              "limit", "")
     if ev.config.chunks > 1:

@@ -91,7 +91,7 @@ So::
 with ``msg = M``, or ``2M - 1`` under Interleaved1F1B: torch's runtime for several chunks per rank waits on its
 sends only at the step's end, so each finished micro-batch's output and input gradient stay until then (a
 chunk judged alone counts ``M - 1`` of them; its rank's peak counts those finished by then, [Note: a rank's
-chunks] in scoring.py). Interleaved: 1.16-1.17 of each rank's measured peak before, 1.01-1.02 since.
+chunks] in ranks.py). Interleaved: 1.16-1.17 of each rank's measured peak before, 1.01-1.02 since.
 
 Each rank's measured step peak against its stage's predicted memory, 2-stage MLP on 2 gloo ranks
 (``bench/pipeline_peak.py``): 0.93-0.97 under 1F1B and 1.08-1.10 under GPipe without them (and with ``D``
@@ -148,18 +148,17 @@ the same expressions in the same order, so its optimum and a brute force over ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from lightning_autopart.partition.configs import CHUNKS, Config, check_config, in_flight
 from lightning_autopart.partition.fresh import fresh_excesses, fresh_stages, sent_backs
 from lightning_autopart.partition.placement import link_pattern
+from lightning_autopart.partition.ranks import ChunkParts, with_first_backward
 from lightning_autopart.partition.tables import CostTables, SizeTables
 from lightning_autopart.partition.tied import TiedCopy
 
 __all__ = [
     "CHUNKS",
     "INF",
-    "ChunkParts",
     "Config",
     "ConfigCosts",
     "CostTables",
@@ -306,32 +305,9 @@ class StageCost:
     io_bytes: int = 0
     #: What feasibility judges against ``limit_bytes``: ``memory_bytes``, or for a chunk of an interleaved rank
     #: its bound alone (its most micro-batches in flight and its own backward), where ``memory_bytes`` is its
-    #: share of the rank's peak ([Note: a rank's chunks] in scoring.py).
+    #: share of the rank's peak ([Note: a rank's chunks] in ranks.py).
     bound_bytes: int = 0
     parts: ChunkParts | None = None
-
-
-class ChunkParts(NamedTuple):
-    """A chunk's memory as its rank's moments combine it: ``state + io + d * sent + max(n * (activation + held)
-    + [recompute + transient while its backward runs], optimizer)`` with ``n`` micro-batches in flight and
-    ``d`` done ([Note: a rank's chunks] in scoring.py)."""
-
-    state: int
-    io: int
-    activation: int
-    held: int
-    #: What a finished micro-batch's messages keep until the step ends (its output and its input's gradient).
-    sent: int
-    recompute: int
-    transient: int
-    optimizer: int
-    #: Autocast's weight copies of one micro-batch in flight ([Note: weight casts]).
-    casts: int = 0
-    #: The gradients in ``state`` that do not exist before the chunk's first backward (one replica, dropped at
-    #: the step's start), and what that backward holds beyond its activations as it makes them ([Note: fresh
-    #: gradients] in fresh.py; ``transient`` where none are missing).
-    grads: int = 0
-    first: int = 0
 
 
 def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> StageCost:
@@ -430,20 +406,11 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         data_us=data,
         io_bytes=held + q,
         bound_bytes=mem,
-        parts=None if v == 1 else _chunk_parts(
-            tables, cc, i, j, st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo, trans, y,
-            0 if ck else unit_casts, grad - tg,  # a tied copy's gradient: counted as present
+        parts=None if v == 1 else with_first_backward(
+            ChunkParts(st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo, trans, y,
+                       0 if ck else unit_casts),
+            0 if cc.cfg.replicas > 1 or tables.persistent_grads else grad - tg,  # a tied copy's: there from the start
+            at.fresh_transient(i, j),
         ),
     )  # fmt: skip
 
-
-def _chunk_parts(
-    tables: CostTables, cc: ConfigCosts, i: int, j: int, *parts: int
-) -> ChunkParts:
-    """An interleaved chunk's :class:`ChunkParts`; the last of ``parts`` is its gradients, missing before its
-    first backward unless replicas' buckets or accumulation keep them ([Note: fresh gradients] in fresh.py)."""
-    *head, grad = parts
-    q = ChunkParts(*head)
-    if cc.cfg.replicas > 1 or tables.persistent_grads or not grad:
-        return q._replace(first=q.transient)
-    return q._replace(grads=grad, first=min(cc.at.fresh_transient(i, j), q.transient + grad))

@@ -16,7 +16,7 @@ the three (:func:`fresh_excess`, less the gradients the state counts). The large
 first (Jamba) from 1.020 to 0.986, and a GPT-2's GPipe last stage, whose tied head's gradient its first backward
 makes, from 0.924 to 0.933. A pipelined step drops them before its first forward (the strategy's
 ``training_step``), so there the forward's end holds none. An interleaved rank's chunks are priced moment by
-moment instead ([Note: a chunk's first backward] in scoring.py).
+moment instead ([Note: a chunk's first backward] in ranks.py).
 
 [Note: input gradients in flight] A stage after the first sends each micro-batch's input gradients back (every
 value of the cut before it, a zero for a value that needs none: [Note: wire format] in runtime/wire.py), and
