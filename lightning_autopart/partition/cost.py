@@ -325,13 +325,6 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     casts_off = infl * unit_casts  # checkpointing keeps none in flight: the recompute makes its own, saved
     act_off = infl * a_sum
     act_on = infl * at.stage_input[i] + a_sum + unit_casts
-    # what the peak adds to the units in flight ([Note: backward's peak] in tables.py; [Note: fresh
-    # gradients] in fresh.py)
-    e_off = e_on = trans
-    if cc.fresh[k]:
-        e_off, e_on = fresh_excesses(
-            trans, at.fresh_transient(i, j), grad, cc.capped, a_sum + unit_casts, at.stage_input[i], infl > 1
-        )
     # [Note: pipeline buffers]: P, and Q with the saved inputs (all of them when checkpointing) in P already.
     sent = at.recv[i] + at.send[j]  # a micro-batch's messages over both cuts
     passed = min(cc.held[j], at.passed_through(i, j))  # its input, sent on as is: no copy held
@@ -340,10 +333,18 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     kept_out = cc.held[j] - passed
     q_run = infl * kept_out
     q_off, q_on = q_run - infl * at.alias[i], q_run - infl * at.stage_input[i]
+    backs = (0, 0)
     if v == 1 and at.recv[i]:  # earlier input gradients held for their sends ([Note: input gradients in flight])
         unit = a_sum + unit_casts + kept_out - at.alias[i]
-        b_off, b_on = sent_backs(at.recv[i], unit, kept_out, at.stage_input[i], infl, mb, cc.cfg.schedule == "GPipe")
-        e_off, e_on = e_off + b_off, e_on + b_on
+        gpipe = cc.cfg.schedule == "GPipe"
+        backs = sent_backs(at.recv[i], unit, kept_out, at.stage_input[i], infl, mb, gpipe, cc.fresh[k])
+    # what the peak adds to the units in flight ([Note: backward's peak] in tables.py; [Note: fresh
+    # gradients] in fresh.py)
+    e_off, e_on = trans + backs[0], trans + backs[1]
+    if cc.fresh[k]:
+        e_off, e_on = fresh_excesses(
+            trans, at.fresh_transient(i, j), grad, cc.capped, a_sum + unit_casts, at.stage_input[i], infl > 1, backs
+        )
     fits = True
     if st + held + max(act_off + e_off + q_off + casts_off, y) <= cap:
         ck, act, e, q = False, act_off, e_off, q_off

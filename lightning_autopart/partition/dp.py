@@ -40,6 +40,8 @@ from lightning_autopart.partition.fresh import fresh_excesses, sent_backs
 __all__ = ["Budget", "solve", "solve_memory"]
 
 _HUGE = 1e300
+#: No input gradients held for their sends (a first stage, or none in flight).
+_NONE = (0, 0)
 
 
 def solve(
@@ -114,18 +116,19 @@ def solve(
                 x = trans(i, j)
                 y = int(gr * yf)
                 wc = pc[j] - pc[i]  # a micro-batch's weight casts ([Note: weight casts] in cost.py)
-                e_off = e_on = x
-                if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in fresh.py)
-                    e_off, e_on = fresh_excesses(x, ftrans(i, j), gr, capped, a_sum + wc, cin[i], later)
                 h = host + (hfbj - hfb[i])
                 st += pj + msg * rv[i]
                 ko = hdj
                 if pt:  # [Note: pipeline buffers]: an output sent on as received is neither held nor kept
                     ko -= min(hdj, at.passed_through(i, j))
                 q = infl * ko
+                bs = _NONE
                 if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
-                    b_off, b_on = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp)
-                    e_off, e_on = e_off + b_off, e_on + b_on
+                    bs = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp, fresh)
+                if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in fresh.py)
+                    e_off, e_on = fresh_excesses(x, ftrans(i, j), gr, capped, a_sum + wc, cin[i], later, bs)
+                else:
+                    e_off, e_on = x + bs[0], x + bs[1]
                 if rt:
                     st -= kept * at.relayed_through(i, j)
                 if st + max(e_off + infl * (a_sum + wc) + q - infl * al[i], y) <= cap:
@@ -241,13 +244,14 @@ def solve_memory(
                 ko = hd[j] - min(hd[j], at.passed_through(i, j))
                 q = infl * ko
                 wc = pc[j] - pc[i]  # [Note: weight casts] in cost.py
-                e_off = e_on = x
+                bs = _NONE
+                if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
+                    bs = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp, fresh)
                 if fresh:
                     xf = at.fresh_transient(i, j)
-                    e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1)
-                if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
-                    b_off, b_on = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp)
-                    e_off, e_on = e_off + b_off, e_on + b_on
+                    e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1, bs)
+                else:
+                    e_off, e_on = x + bs[0], x + bs[1]
                 units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc + e_on + q)

@@ -24,7 +24,10 @@ torch's schedules hold them past the next backward: 1F1B keeps one micro-batch's
 done, GPipe all of them until the step's end. So a later backward meets ``r`` (``recv_i``) more with ``n``
 micro-batches in flight (1F1B, ``n < M``), or ``r`` more with one micro-batch fewer (``n = M``), and GPipe's
 ``k``-th backward ``k r`` more with ``k`` fewer (:func:`sent_back`). ViT-MAE's images reach its loss through
-every stage, so their zero gradients do too: its 1F1B last rank read 0.923 of the measured peak, 1.00 since.
+every stage, so their zero gradients do too: its 1F1B last rank read 0.923 of the measured peak, 1.00 since. A
+fresh stage's first backward holds no earlier send: they belong to its later backwards' moment only
+(``fresh_excess``'s ``back``), which has one micro-batch fewer already, so there 1F1B adds ``r`` and GPipe's
+``k``-th ``r + (k - 1)(r - u)``.
 
 [Note: unreached gradients] A parameter that only blocks with every output dead use (a head whose output the
 loss never reads) never gets a gradient: a single replica never allocates one for it, and the optimizer keeps no
@@ -51,49 +54,54 @@ def fresh_stages(tables: CostTables, cfg: Config) -> list[bool]:
     return [in_flight(cfg.schedule, cfg.stages, p, mb) == mb for p in range(cfg.stages)]
 
 
-def fresh_excess(x: int, xf: int, grads: int, lead: int, prev: int, later: bool) -> int:
+def fresh_excess(x: int, xf: int, grads: int, lead: int, prev: int, later: bool, back: int = 0) -> int:
     """What a fresh stage's peak adds to its micro-batches in flight (their units, one of them whole), less its
     gradients, which its state counts ([Note: fresh gradients]): the largest of the forward's end (``lead``), its
     first backward (``xf``: the gradients of the blocks after the running one made) and, where ``later``
-    backwards run, the second (``x`` and every gradient, one micro-batch of ``prev`` gone)."""
+    backwards run, the later ones (``x`` and every gradient, one micro-batch of ``prev`` gone, and ``back``: the
+    input gradients still held for their sends, [Note: input gradients in flight])."""
     top = lead if lead > xf else xf
-    if later and x + grads - prev > top:
-        top = x + grads - prev
+    if later and x + grads - prev + back > top:
+        top = x + grads - prev + back
     return top - grads
 
 
 def fresh_excesses(
-    x: int, xf: int, grads: int, capped: bool, unit: int, stage_input: int, later: bool
+    x: int, xf: int, grads: int, capped: bool, unit: int, stage_input: int, later: bool, backs: tuple[int, int]
 ) -> tuple[int, int]:
     """:func:`fresh_excess` without and with checkpointing, for a stage whose micro-batch unit is ``unit`` and
     whose checkpointed unit is ``stage_input``; ``capped``: a single stage, whose forward's end holds last step's
-    gradients."""
+    gradients; ``backs``: :func:`sent_backs` of a fresh stage."""
     lead = grads if capped else 0
     return (
-        fresh_excess(x, xf, grads, lead, unit, later),
-        fresh_excess(x, xf, grads, lead - unit, stage_input, later),
+        fresh_excess(x, xf, grads, lead, unit, later, backs[0]),
+        fresh_excess(x, xf, grads, lead - unit, stage_input, later, backs[1]),
     )
 
 
-def sent_back(r: int, unit: int, in_flight: int, mb: int, gpipe: bool) -> int:
+def sent_back(r: int, unit: int, in_flight: int, mb: int, gpipe: bool, fresh: bool = False) -> int:
     """What a later backward adds to a stage's peak for the input gradients (``r`` per micro-batch) its schedule
     still holds for their sends, where a finished micro-batch frees ``unit`` ([Note: input gradients in
-    flight])."""
+    flight]); for a ``fresh`` stage, over its second backward's moment (one micro-batch gone, every gradient
+    made) instead of its first."""
     if r <= 0 or mb < 2:
         return 0
+    grow = r - unit if r > unit else 0
+    if fresh:
+        return r + (mb - 2) * grow if gpipe else r
     if gpipe:
-        return (mb - 1) * (r - unit) if r > unit else 0
+        return (mb - 1) * grow
     if in_flight < mb:
         return r
-    return r - unit if r > unit else 0
+    return grow
 
 
 def sent_backs(
-    r: int, unit: int, kept_out: int, stage_input: int, in_flight: int, mb: int, gpipe: bool
+    r: int, unit: int, kept_out: int, stage_input: int, in_flight: int, mb: int, gpipe: bool, fresh: bool = False
 ) -> tuple[int, int]:
     """:func:`sent_back` without and with checkpointing: a finished micro-batch frees ``unit`` (its activations,
     casts and kept output less what its input shares), or only its kept output beyond its checkpointed input."""
     return (
-        sent_back(r, unit, in_flight, mb, gpipe),
-        sent_back(r, max(0, kept_out - stage_input), in_flight, mb, gpipe),
+        sent_back(r, unit, in_flight, mb, gpipe, fresh),
+        sent_back(r, max(0, kept_out - stage_input), in_flight, mb, gpipe, fresh),
     )

@@ -482,3 +482,16 @@ def test_later_backwards_meet_the_input_gradients_still_being_sent() -> None:
     assert sent_back(100, 300, 4, 4, gpipe=False) == 0
     assert sent_back(100, 30, 4, 4, gpipe=True) == 3 * 70  # GPipe's last backward holds three earlier sends
     assert sent_back(100, 30, 1, 1, gpipe=False) == sent_back(0, 0, 2, 4, gpipe=True) == 0
+    # A fresh stage's first backward holds none; its later backwards' moment has one micro-batch fewer already:
+    # there 1F1B adds r, GPipe's k-th backward r + (k - 1)(r - u).
+    assert sent_back(100, 300, 4, 4, gpipe=True, fresh=True) == sent_back(100, 30, 4, 4, False, fresh=True) == 100
+    assert sent_back(100, 30, 4, 4, gpipe=True, fresh=True) == 100 + 2 * 70
+    assert fresh_excess(700, 740, 1000, 0, 800, True, back=100) == 700 + 1000 - 800 + 100 - 1000
+    # GPipe x 4, stage 1 (block c) with 2000 bytes of gradients: the second backward peaks, 3 x 400 bytes of
+    # activations, X = 800, every gradient and the first micro-batch's 100 bytes of input gradients; beyond
+    # 4 x 400 and the state's gradients: 800 + 2000 - 400 + 100 - 2000 (it read 100 less, r - u < 0 counting none).
+    blocks = (*PROFILE.blocks[:2], _block("c", 80.0, 0.0, 800, 50, 2000))
+    prof = dataclasses.replace(PROFILE, blocks=tuple(dataclasses.replace(b, transient_bytes=2 * b.activation_bytes)
+                                                     for b in blocks))  # fmt: skip
+    stage = evaluate_config(CostTables(prof, _cluster()), Config(1, 2, 4, "GPipe"), 4, (0, 2, 3), False).stages[1]
+    assert (stage.activation_bytes, stage.transient_bytes) == (4 * 400, 500)
