@@ -174,6 +174,7 @@ class CostTables:
             made[tc.owner] -= tc.grad_bytes
             made[last] += tc.grad_bytes
         self.made_grads = _prefix(made)
+        self.fresh_extra = [b.fresh_extra_bytes for b in blocks]
         #: Gradients live through the whole step (accumulated over steps): none is ever fresh (see
         #: [Note: fresh gradients] in :mod:`.fresh`).
         self.persistent_grads = persistent_grads
@@ -231,7 +232,10 @@ class CostTables:
                 cuts=cuts,
                 # a block's weight copies go with its activations ([Note: weight casts] in cost.py)
                 transient=BackwardPeak(kept_back := [a + c for a, c in zip(acts, self.casts, strict=True)], peaks),
-                fresh_transient=BackwardPeak(kept_back, peaks, self.made_grads),
+                # with the gradients the running block made by its peak ([Note: gradients made by the peak])
+                fresh_transient=BackwardPeak(
+                    kept_back, [p + x for p, x in zip(peaks, self.fresh_extra, strict=True)], self.made_grads
+                ),
                 recv=[0, *cuts[:-1]],
                 # a part of what the block saves, never more (a + q >= 0 per micro-batch in flight)
                 alias=[

@@ -345,6 +345,7 @@ def _record(
         fwd_flops=float(cost.fwd_flops),
         transient_bytes=int(cost.transient_bytes),
         cast_bytes=int(cost.cast_bytes),
+        fresh_extra_bytes=int(cost.fresh_extra_bytes),
         optimizer_us=float(step_us[0]),
         accumulate_us=float(step_us[1]),
         host_fwd_us=float(cost.host_us[0]),

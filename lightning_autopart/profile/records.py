@@ -85,6 +85,9 @@ class BlockProfile:
     #: Autocast's low-precision copies of the block's weights that each forward makes and its backward keeps
     #: ("-mixed"; [Note: weight casts] in partition/cost.py).
     cast_bytes: int = 0
+    #: What ``transient_bytes`` grows by where backward makes the parameters' gradients instead of adding into
+    #: them: those made by its peak ([Note: gradients made by the peak] in profile/transient.py).
+    fresh_extra_bytes: int = 0
     #: Share of the bytes crossing the cut before this block that both this block and the previous one save
     #: for backward: one tensor when the two share a stage (see [Note: saved twice]).
     saved_by_previous: float = 0.0

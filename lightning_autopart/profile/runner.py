@@ -51,6 +51,9 @@ class BlockCost:
     transient_bytes: int = 0
     #: Autocast's weight copies the backward keeps, per forward ([Note: weight casts] in partition/cost.py).
     cast_bytes: int = 0
+    #: What that peak adds where the backward makes the parameters' gradients ([Note: gradients made by the
+    #: peak] in transient.py).
+    fresh_extra_bytes: int = 0
     #: Names of the block's inputs and of its outputs that it saves for backward (see [Note: saved twice]).
     saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
     #: Host time of the forward and the backward where the device runs behind the host (CUDA), else 0.
@@ -65,12 +68,12 @@ class BlockCost:
         saved: tuple[int, int, int],
         times_us: tuple[float, float],
         fixed_us: tuple[float, float],
-        memory: tuple[int, int] = (0, 0),
+        memory: tuple[int, int, int] = (0, 0, 0),
         saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
         host_us: tuple[float, float] = (0.0, 0.0),
     ) -> BlockCost:
         """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them), times, and
-        ``memory``: the run's (transient, cast) bytes."""
+        ``memory``: the run's (transient, cast, fresh extra) bytes."""
         fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
         return cls(
             fwd_us=times_us[0],
@@ -86,6 +89,7 @@ class BlockCost:
             bwd_kernels=bwd.kernels,
             transient_bytes=memory[0],
             cast_bytes=memory[1],
+            fresh_extra_bytes=memory[2],
             saved_names=saved_names,
             host_us=host_us,
             opaque_ops=frozenset(counter.opaque),
@@ -111,6 +115,7 @@ class Runner:
         #: Backward's transient peak and autocast's weight copies, from the last :meth:`counted_run`.
         self.transient_bytes = 0
         self.cast_bytes = 0
+        self.fresh_extra_bytes = 0
         #: Names of the block's inputs and outputs that the last :meth:`counted_run` saved for backward.
         self.saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._names = (tuple(t.name for t in block.inputs), tuple(t.name for t in block.outputs))
@@ -148,7 +153,8 @@ class Runner:
     def counted_run(self, counter: OpCounter) -> tuple[int, int, int]:
         """One forward and backward under ``counter``, metering saved tensors and allocations.
 
-        Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors) and
+        Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors),
+        :attr:`fresh_extra_bytes` (what the gradients made by then add to it, [Note: gradients made by the peak]) and
         :attr:`cast_bytes` (autocast's weight copies that live into the backward, per forward; not in the saved
         bytes returned), see [Note: transient memory].
 
@@ -165,6 +171,7 @@ class Runner:
                 counter.accumulators.add(id(p.grad))  # adds into it: [Note: gradient accumulation]
         inputs = fresh_inputs(self.args)
         layouts = meta_layouts([*tree_leaves(inputs), *self.program.parameters()])
+        hooks = allocations.watch(self.program.parameters())
         with layouts, counter, allocations:  # layouts nearest the kernels: [Note: channels-last on meta]
             counter.phase = "fwd"
             with meter.hooks(), self.context():
@@ -182,10 +189,13 @@ class Runner:
             counter.phase = "bwd"
             self.backward(outputs)
             counter.phase = None
+        for hook in hooks:
+            hook.remove()
         clear_grads(self.program, self.args)
         saved = meter.nbytes
         self.cast_bytes = sum(casts.values())
         self.transient_bytes = max(0, allocations.peak - saved)
+        self.fresh_extra_bytes = max(0, allocations.fresh_peak - saved - self.transient_bytes)
         casts_saved = meter.nbytes_of_keys(casts)
         self.saved_names = (_saved(meter, self._names[0], inputs), saved_outputs)
         return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), output_bytes

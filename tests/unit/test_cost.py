@@ -300,6 +300,13 @@ def test_fresh_gradients_leave_the_peak() -> None:
     # a later one all 140 and one micro-batch fewer, 700 + 140 - 800; less the 140 the state counts.
     assert fresh.stages[0].memory_bytes == 570 + 1000 + 4 * 800 + 740 - 140 + 400
     assert fresh.stages[0].transient_bytes == 740 - 140
+    # Block 0's backward has made 100 bytes of its own gradients by its peak ([Note: gradients made by the
+    # peak] in profile/transient.py): 740 + 100; a stage whose gradients exist already does not change.
+    made = dataclasses.replace(prof, blocks=(dataclasses.replace(blocks[0], fresh_extra_bytes=100), *blocks[1:]))
+    ev = evaluate_config(CostTables(made, _cluster()), cfg, 4, (0, 2, 3), checkpointing=False)
+    assert ev.stages[0].memory_bytes == fresh.stages[0].memory_bytes + 100
+    kept_made = evaluate_config(CostTables(made, _cluster(), persistent_grads=True), cfg, 4, (0, 2, 3), False)
+    assert kept_made.stages[0].memory_bytes == kept.stages[0].memory_bytes
     # Replicas keep their all-reduce buckets, so their gradients always exist.
     tables = CostTables(prof, _cluster())
     two = evaluate_config(tables, Config(2, 1, 2, "GPipe"), 4, (0, 3), checkpointing=False)

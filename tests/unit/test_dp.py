@@ -144,6 +144,8 @@ def instances(
                 activation_bytes=draw(st.integers(0, 100000)),
                 cut_bytes=draw(st.integers(50000, 400000)) if skip_heavy else draw(st.integers(0, 3000)),
                 transient_bytes=draw(st.integers(0, 60000)),
+                # its own gradients made by that peak where backward makes them ([Note: gradients made by the peak])
+                fresh_extra_bytes=draw(st.sampled_from([0, 0]) | st.integers(0, 4 * params)),
                 optimizer_us=draw(st.floats(0.0, 500.0)),
                 # autocast's weight copies, up to a large transient ([Note: weight casts] in cost.py)
                 cast_bytes=draw(st.integers(0, 300) | st.integers(0, 60000)),
