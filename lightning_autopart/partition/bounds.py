@@ -165,11 +165,14 @@ class Relaxation:
         return bands
 
     def greedy(self, tau: float) -> tuple[int, ...] | None:
-        """Boundaries of the greedy farthest-reaching partition with every ``R <= tau``; None if none."""
+        """Boundaries of the greedy farthest-reaching partition with every ``R <= tau``; None if none, or if a
+        stage could not reach past the one before (the farthest ends of the bands then do not rise: a stage of
+        no blocks)."""
         bands = self.bands(tau)
         if bands is None:
             return None
-        return tuple(b for _, b in bands)
+        part = tuple(b for _, b in bands)
+        return part if all(a < b for a, b in pairwise(part)) else None
 
     def memory_greedy(self, limit: int) -> tuple[int, ...] | None:
         """Greedy farthest-reaching partition with every relaxed memory (scaled) ``<= limit``; None if none."""
@@ -204,15 +207,13 @@ class Relaxation:
         """Bisect the smallest ``tau`` the relaxation admits (a lower bound) and the greedy partition there."""
         if upper == INF:
             upper = self.scale * self.pr_on[-1] + self.const + 1.0
-        part = self.greedy(upper)
-        if part is None:
+        if self.bands(upper) is None:
             return upper, None
         lo, hi = 0.0, upper
         while hi - lo > rel * hi:
             mid = 0.5 * (lo + hi)
-            got = self.greedy(mid)
-            if got is None:
+            if self.bands(mid) is None:
                 lo = mid
             else:
-                hi, part = mid, got
-        return lo, part
+                hi = mid
+        return lo, self.greedy(hi) or self.greedy(upper)

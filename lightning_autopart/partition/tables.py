@@ -54,7 +54,8 @@ class SizeTables:
     [Note: the last stage's outputs] in runtime/outputs.py; the model's outputs where it is not); ``passed[j]``,
     per producer ``p`` (ascending), the bytes of that part made by blocks ``<= p``: a stage starting after ``p``
     keeps them as received (:meth:`passed_through`); ``relayed[j]``, the same over the whole cut, saved values
-    too: a stage starting after ``p`` sends them as received (:meth:`relayed_through`).
+    too: a stage starting after ``p`` sends them as received (:meth:`relayed_through`; none for the last stage,
+    which sends no output).
     """
 
     m: int
@@ -245,7 +246,8 @@ class CostTables:
                 send=inner,
                 held=kept,
                 passed=[(), *(_passed(b.passed_shares, c, h) for b, c, h in zip(blocks, cuts, kept[1:], strict=True))],
-                relayed=[(), *(_passed(_merged(b), c, c) for b, c in zip(blocks, cuts, strict=True))],
+                # the last stage sends no output: nothing it relays ([Note: pipeline buffers] in cost.py)
+                relayed=[(), *(_passed(_merged(b), c, c) for b, c in zip(blocks[:-1], cuts[:-1], strict=True)), ()],
             )
             self._sizes[m] = got
         return got

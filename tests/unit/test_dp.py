@@ -321,6 +321,44 @@ def test_a_block_that_fits_only_where_fewer_micro_batches_are_in_flight() -> Non
     assert evaluate_config(tables, cfg, 3, got[1], checkpointing=False).fits
 
 
+def test_the_seed_partition_never_has_an_empty_stage() -> None:
+    """The search seeds its incumbent with the relaxation's greedy partition. Interleaved chunks hold different
+    micro-batches in flight, so a stage's band may end where the one before ends (1000 bytes of activations
+    on block 3 here): those ends are no partition (a stage of no blocks), and the greedy one is None."""
+    blocks = tuple(
+        BlockProfile(f"b{k}", (f"b{k}",), ((f"b{k}.w", (p // 4,)),), p // 4, p, p, 2 * p, 0, 10.0, 20.0, 0.0, 0.0, a, c)
+        for k, (a, c, p) in enumerate([(0, 100, 0), (0, 100, 0), (0, 100, 100), (1000, 100, 400), (0, 100, 100),
+                                       (0, 0, 100)])
+    )  # fmt: skip
+    prof = ModelProfile("Chain", blocks, 2, 0, optimizer="sgd")
+    cl = Cluster(1, 2, 10000, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0)
+    tables = CostTables(prof, cl)
+    relax = Relaxation(tables, Config(1, 2, 4, "Interleaved1F1B", shares="in-flight"), 8, checkpointing=False)
+    bands = relax.bands(INF)
+    assert bands is not None and [b for _, b in bands] == [0, 3, 3, 3, 6]
+    assert relax.greedy(INF) is None
+    part = relax.lower_bound()[1]
+    assert part is None or all(a < b for a, b in itertools.pairwise(part))
+    plan = partition(prof, cl, 8, schedules=("Interleaved1F1B",), max_micro_batches=4, checkpointing=False)
+    starts = [s.block_start for s in plan.stages]
+    assert all(a < b for a, b in itertools.pairwise([*starts, 6]))
+
+
+def test_the_last_stage_relays_nothing() -> None:
+    """The last block passing on part of the model's input (ViT-MAE's images, read by the loss) makes no kept
+    send on the last stage, which sends no output: crediting it once made that stage's memory negative."""
+    blocks = tuple(
+        BlockProfile(f"b{k}", (f"b{k}",), (), 0, 0, 0, 0, 0, 10.0, 20.0, 0.0, 0.0, 100, c,
+                     passed_shares=((-1, 0.3),) if k == 3 else ())
+        for k, c in enumerate((100, 100, 100, 50000))
+    )  # fmt: skip
+    prof = ModelProfile("Chain", blocks, 1, 0, optimizer="sgd", meta={"batch_bytes": 100.0})
+    tables = CostTables(prof, Cluster(1, 2, 10**9, 1e9, 1e9, 1e9, 1e9, latency_us=0.0, memory_reserve=0.0))
+    assert tables.at(1).relayed[4] == () and tables.at(1).relayed_through(2, 4) == 0
+    ev = evaluate_config(tables, Config(1, 2, 4, "Interleaved1F1B"), 4, (0, 1, 2, 3, 4), checkpointing=False)
+    assert all(s.io_bytes >= 0 and s.bound_bytes > 0 for s in ev.stages)
+
+
 def test_a_device_too_small_for_a_chunks_byte_is_refused_not_divided_by() -> None:
     """Interleaved chunks share a device: on a 1-byte device one gets no byte. Nothing fits, and the closest
     plan's search (memory over limit) must still run."""
