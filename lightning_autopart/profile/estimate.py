@@ -41,7 +41,9 @@ class FusedAttention(TorchFunctionMode):
     and (see ``opcount``) FLOP formulas. A boolean mask becomes an additive one first, as sdpa does. Calls a
     GPU runs on the math path pass through: grouped key/value heads in float32 or with a mask, a learned bias
     as the mask; so do calls that are not 4-D. With ``kernels="cpu"`` the CPU's choice is followed instead:
-    flash for any heads and masks, the math path with dropout or a learned bias.
+    flash for any mask, and for grouped heads under ``enable_gqa``; the math path with dropout, a learned bias,
+    or fewer key/value heads broadcast without ``enable_gqa`` (Falcon's one key/value head: its ranks read
+    0.92-0.95 of their measured peaks priced as flash).
     """
 
     def __init__(self, kernels: str = "cuda") -> None:
@@ -76,8 +78,8 @@ def _fused_sdpa(
     if kernels == "cpu" and dropout_p > 0:
         return None  # the CPU's flash kernel takes no dropout
     grouped = not q.shape[1] == k.shape[1] == v.shape[1]
-    if grouped and kernels != "cpu" and not _flash_groups(q, k, v, attn_mask, enable_gqa):
-        return None  # grouped heads a GPU runs on the math path
+    if grouped and not (enable_gqa if kernels == "cpu" else _flash_groups(q, k, v, attn_mask, enable_gqa)):
+        return None  # grouped heads a GPU runs on the math path; a CPU too, unless asked to group them
     if isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad:
         return (
             None  # a learned bias as the mask (T5's position bias): the fused kernel has no gradient for it

@@ -207,3 +207,31 @@ def test_estimate_on_the_cpu_spec_runs_attention_as_the_cpu_does() -> None:
         assert cpu == profile_cpu(cap, warmup=0, repeats=1).blocks[1].activation_bytes
         gpu = profile_cpu(cap, "estimate", spec="h100").blocks[1].activation_bytes
         assert (cpu > scores) == (on_cpu == "math") and (gpu > scores) == (on_cpu == "flash")
+
+
+class _OneKeyHead(torch.nn.Module):
+    """Multi-query attention as Falcon calls it: one key/value head broadcast to four query heads, no
+    ``enable_gqa``. A CPU's flash kernel takes no such heads, so it runs the math path (it keeps the scores)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(32, 32)
+        self.kv = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 1, 16).transpose(1, 2).split(8, dim=-1)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, 32)
+
+
+def test_the_cpu_s_kernels_for_broadcast_key_heads_are_the_math_path() -> None:
+    from lightning_autopart.planner import profile_model
+
+    model = torch.nn.Sequential(_OneKeyHead(), torch.nn.Linear(32, 32))
+    x = torch.randn(2, 16, 32)
+    measured = profile_model(model, x, profile="measure", spec="cpu")
+    estimated = profile_model(model, x, profile="estimate", spec="cpu")
+    assert [b.activation_bytes for b in estimated.blocks] == [b.activation_bytes for b in measured.blocks]
