@@ -125,11 +125,9 @@ def _shared_on_rank(
     out = list(stages)
     for p in range(s):
         for tc in tied:
-            users = [
-                c for c in range(v)
-                if tc.copied_by(out[p + c * s].block_start, out[p + c * s].block_end)
-                or out[p + c * s].block_start <= tc.owner < out[p + c * s].block_end
-            ]  # fmt: skip
+            users = [c for c in range(v) if _holds(tc, out[p + c * s])]
+            if len(users) < 2:
+                continue
             for c in users[1:]:
                 sc = out[p + c * s]
                 if sc.parts is not None and tc.copied_by(sc.block_start, sc.block_end):
@@ -139,11 +137,14 @@ def _shared_on_rank(
                         optimizer_bytes=sc.optimizer_bytes - tc.optimizer_bytes,
                         parts=sc.parts._replace(state=sc.parts.state - drop),
                     )  # fmt: skip
-            if len(users) < 2:
-                continue
             sc = out[p + users[0] * s]  # its owner, when on this rank: another chunk may make its gradient first
             if sc.parts is not None and sc.block_start <= tc.owner < sc.block_end:
                 out[p + users[0] * s] = replace(
                     sc, parts=sc.parts._replace(grads=max(0, sc.parts.grads - tc.grad_bytes))
                 )  # fmt: skip
     return tuple(out)
+
+
+def _holds(tc: TiedCopy, sc: StageCost) -> bool:
+    """Whether the chunk ``sc`` holds the tied parameter: its owner block, or a copy of it."""
+    return tc.copied_by(sc.block_start, sc.block_end) or sc.block_start <= tc.owner < sc.block_end
