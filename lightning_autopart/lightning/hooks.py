@@ -279,11 +279,22 @@ class StepLoss:
         #: The slice of the batch the last call read, on the output's device (what the profiler's
         #: ``profile_loss`` leaves out of the loss's saved bytes: the batch is priced on its own).
         self.sliced: Any = ()
+        self._placed: tuple[torch.device, Any] | None = None
+
+    def place(self, device: torch.device | None) -> None:
+        """Hold the batch on ``device`` (None: forget it), so that a call there reads a view of it, as the last
+        stage reads the batch it holds: no copy of it is priced as the loss's (a CPU batch for meta outputs)."""
+        self._placed = None
+        if device is not None:
+            self._placed = (device, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, self.batch))
 
     def __call__(self, output: Any, samples: int) -> torch.Tensor:
         module = self.module
         device = next((t.device for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
-        part = slice_batch(self.batch, 0, samples, self.batch_size)
+        batch = self.batch
+        if self._placed is not None and self._placed[0] == device:
+            batch, device = self._placed[1], None  # there already: a view, no copy
+        part = slice_batch(batch, 0, samples, self.batch_size)
         if device is not None:
             part = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, part)
         self.sliced = part

@@ -5,8 +5,11 @@ reads 8 x 1024 x 50257 floats, saves its log-softmax for backward and allocates 
 logits. That work runs on the last stage, once per micro-batch, so the profiler prices it like a block and
 adds it to the model's last block: its forward and backward time, the bytes it saves and its transient peak.
 The caller gives the loss as a function of the model's output (the strategy: the user's ``training_step`` with
-the model's forward replaced by that output, on the matching slice of the batch). A loss that cannot run on a
-profiling copy (user code that reads values on meta tensors, say) is left unpriced, and the profile says why.
+the model's forward replaced by that output, on the matching slice of the batch). That slice is a view of the
+batch on the output's device, placed there before the meters run (``place``): the last stage reads the batch it
+holds, and a copy of it (a CPU batch for estimate mode's meta outputs) is not the loss's memory or time. A loss
+that cannot run on a profiling copy (user code that reads values on meta tensors, say) is left unpriced, and the
+profile says why.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ def profile_loss(
         return t1 - t0, t2 - t1, value
 
     state = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+    place = getattr(loss, "place", None)
+    if callable(place):  # the batch on the output's device before the meters: the stage holds it there
+        place(device)
     meter = SavedTensorMeter()
     allocations = AllocationMeter()
     counter = OpCounter(roofline)
@@ -112,9 +118,13 @@ def profile_loss(
 
 
 def _drop_slice(loss: object) -> None:
-    """Forget the batch slice a step loss keeps from its last call: a device copy no profile may leave behind."""
+    """Forget the batch slice a step loss keeps from its last call, and the batch it placed on the device: no
+    profile may leave a device copy behind."""
     if hasattr(loss, "sliced"):
         loss.sliced = ()
+    place = getattr(loss, "place", None)
+    if callable(place):
+        place(None)
 
 
 def _now(device: torch.device) -> float:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from lightning_autopart.cluster import Cluster
+from lightning_autopart.lightning.hooks import step_loss
 from lightning_autopart.partition.tables import CostTables
 from lightning_autopart.planner import profile_model
 from lightning_autopart.profile.loss import batch_bytes, profile_loss
@@ -110,6 +112,33 @@ def test_what_a_loss_saves_of_the_batch_is_not_the_loss_s_own() -> None:
     entropy = profile_loss(lambda out, n: F.cross_entropy(out, labels[:n]), logits, 8, warmup=0, repeats=1)
     assert entropy.output_saved_bytes == 0 and entropy.saved_bytes >= 8 * 10 * 4  # its log-softmax, not the logits
 
+
+class _Regressor(L.LightningModule):
+    """A training step whose loss reads one column of the batch and not the other (the model's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(16, 16)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return (self.model(batch["x"]).square() - batch["y"]).square().mean()
+
+
+def test_a_batch_on_another_device_than_the_output_is_not_the_loss_s_memory() -> None:
+    """Estimate mode's outputs are on meta and the strategy's batch is not. On the device the last stage reads
+    a view of the batch it holds, so a copy of its slice is not the loss's (the profile places the batch on
+    the output's device first): on meta the loss costs what it costs beside the batch. Here it saves the
+    difference, and its backward peaks at the mean's gradient, the outer square's power and two products, and
+    two scalars."""
+    batch = {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}
+    costs = {}
+    for device in ("cpu", "meta"):
+        loss = step_loss(_Regressor(), "model", batch, 8)
+        costs[device] = profile_loss(loss, torch.randn(8, 16, device=device), 8, warmup=0, repeats=1)
+        assert loss.sliced == () and loss._placed is None  # nothing left on the device
+    tensor = 8 * 16 * 4
+    for cost in costs.values():
+        assert (cost.saved_bytes, cost.output_saved_bytes, cost.transient_bytes) == (tensor, tensor, 4 * tensor + 8)
 
 
 def test_what_a_loss_saves_of_the_output_is_told_apart_from_its_own_saves_and_transient() -> None:
