@@ -13,6 +13,10 @@ so that what the library sees is the same everywhere:
   ``TensorInfo.requires_grad``: a mask, token ids, labels, rotary tables) is detached there, so autograd spends
   nothing on it, and its carrier gets an exact zero gradient (:class:`_Touch`), which every version sends back
   and the sender ignores. Values that need a gradient keep their autograd link.
+- the zeros are made with the input gradients, at the end of the stage's backward: the touch sits on a received
+  value that needs a gradient (on an output, or the last stage's loss, where none does). Made at the start,
+  they were held through the whole backward, beside every activation (ViT-MAE's relayed images: a micro-batch
+  of images more at its last stage's peak; a 4-D float attention mask would be as large).
 
 Shapes and dtypes are given to the library up front (no shape inference that would run user code on
 uninitialised tensors); they are found by :func:`infer_wire_metadata`, one forward of zeros through the
@@ -109,13 +113,19 @@ class WireStage(nn.Module):
         list)."""
         untouched: list[torch.Tensor] = []
         if self._in is not None:
-            decoded = []
+            decoded: list[torch.Tensor] = []
+            anchor = None
             for carrier, (dtype, needs_grad) in zip(values, self._in, strict=True):
                 if needs_grad and _floating(dtype):
+                    if anchor is None and carrier.requires_grad:
+                        anchor = len(decoded)
                     decoded.append(carrier)
                 else:  # detached, floating ones too: autograd would save what multiplies them (rotary tables)
                     decoded.append(decode(carrier.detach(), dtype))
                     untouched.append(carrier)
+            if anchor is not None and untouched:  # their zeros come with the input gradients: [Note: wire format]
+                decoded[anchor] = touch(decoded[anchor], untouched)
+                untouched = []
             values = tuple(decoded)
         outputs = self.stage(*values)
         if self._out is None:  # the last stage: the loss touches the carriers (see [Note: wire format])

@@ -45,3 +45,35 @@ def test_a_received_value_without_a_gradient_need_is_detached_but_still_touched(
     for carrier in carriers[1:]:  # the carriers of values without a gradient need: an exact zero
         assert carrier.grad is not None and not carrier.grad.any()
     assert torch.equal(ids_out.view(torch.int64), ids + 1)
+
+
+class TwoLayers(nn.Module):
+    """A stage that passes a received mask on untouched (a 4-D attention mask, relayed images)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (self.second(self.first(hidden) * mask), mask)
+
+
+def test_the_zero_gradients_come_at_the_end_of_the_backward() -> None:
+    """Made at the start of the backward, the zeros of the values without a gradient need were held beside
+    every activation of the stage; they come with the input gradients, once its last block is done."""
+    hidden, mask = torch.randn(4, 8), torch.ones(4, 8)
+    infos = [_info("hidden", hidden, True), _info("mask", mask, False)]
+    for outputs in ([_info("out", hidden, True), _info("mask", mask, False)], None):  # a middle and a last stage
+        stage = WireStage(TwoLayers(), infos, outputs)
+        carriers = [t.clone().requires_grad_(True) for t in (hidden, mask)]
+        out = stage(*carriers)[0]
+        assert stage.untouched == []  # the last stage's loss has nothing left to touch
+        seen: list[torch.Tensor | None] = []
+        mask_carrier = carriers[1]
+        stage.stage.second.weight.register_post_accumulate_grad_hook(
+            lambda _, seen=seen, mask=mask_carrier: seen.append(mask.grad)
+        )
+        torch.autograd.backward([out], [torch.ones_like(out)])
+        assert seen == [None]  # the last block's backward ran before the zeros were made
+        assert carriers[1].grad is not None and not carriers[1].grad.any()
+        assert carriers[0].grad is not None and carriers[0].grad.abs().sum() > 0
