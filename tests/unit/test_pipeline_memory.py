@@ -231,3 +231,43 @@ def test_what_a_stage_sends_on_as_received_is_not_held_twice() -> None:
     now, before = (evaluate_config(CostTables(p, cluster), cfg, 8, ends).stages[0] for p in (prof, stripped))
     assert now.in_flight == 2
     assert before.memory_bytes - now.memory_bytes == before.io_bytes - now.io_bytes == 2 * 2 * (x + scale)
+
+
+class _Head(nn.Module):
+    """A last block whose outputs are a head's logits (not saved by it) and its sigmoid (saved by it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 64)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.proj(h)
+        return logits, torch.sigmoid(logits[:, :8])
+
+
+class _HeadModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = _Head()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(self.body(x))
+
+
+def test_the_last_block_s_outputs_are_gone_by_its_backward() -> None:
+    """The profile runs a block's backward with its outputs alive; a step drops the model's outputs once the loss
+    is computed ([Note: the last block's outputs]). So the last block's transient with the loss priced leaves
+    out the logits it made and does not save (8 x 64 floats), not the sigmoid it saves."""
+
+    def loss(out: Any, n: int) -> torch.Tensor:
+        return F.cross_entropy(out[0], out[0].new_zeros(n, dtype=torch.long)) + out[1].sum()
+
+    x = torch.randn(8, 16)
+    plain = profile_model(_HeadModel(), x, profile="estimate", up_to=8)
+    priced = profile_model(_HeadModel(), x, profile="estimate", up_to=8, loss=loss)
+    head = plain.blocks[-1]
+    assert head.unsaved_output_share == pytest.approx(64 / (64 + 8))  # the logits; the sigmoid is saved
+    assert "loss_error" not in priced.meta
+    # the head's backward (its weight's gradient, 8 KB) outweighs the cross entropy's
+    assert priced.blocks[-1].transient_bytes == head.transient_bytes - 8 * 64 * 4
