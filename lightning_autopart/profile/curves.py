@@ -88,12 +88,6 @@ def add_loss(profile: ModelProfile, losses: Mapping[int, LossCost]) -> ModelProf
     if not losses or not profile.blocks:
         return profile
     last = profile.blocks[-1]
-    # [Note: the last block's outputs] The profile ran the block's backward with its outputs alive, so its
-    # transient counts those it made and does not save. A step drops them once its loss is computed (the
-    # runtime's last stage: [Note: the last stage's outputs] in runtime/outputs.py; Lightning's step, whose
-    # output dies with training_step), and what the loss saves of them is its own saves: a Llama's logits of
-    # 2 samples, 6,400 bytes, were priced in its pipeline's last rank (1.07 of the measured peak).
-    unsaved = last.unsaved_output_share
     points = list(last.curve) or [
         (profile.batch_size, last.fwd_us, last.bwd_us, last.activation_bytes, last.transient_bytes, last.cut_bytes)
     ]
@@ -108,7 +102,7 @@ def add_loss(profile: ModelProfile, losses: Mapping[int, LossCost]) -> ModelProf
                 fwd + loss.fwd_us,
                 bwd + loss.bwd_us,
                 saved + loss.saved_bytes + of_output,
-                max(transient - round(unsaved * cut), loss.transient_bytes),
+                max(transient, loss.transient_bytes),
                 cut,
             )
         )

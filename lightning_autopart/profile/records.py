@@ -105,10 +105,6 @@ class BlockProfile:
     #: The same for the values made before this block that it saves as it passes them on: a stage's outputs
     #: hold them as activations, and its sends of them are its receive buffer too.
     saved_passed_shares: tuple[tuple[int, float], ...] = ()
-    #: Share of the bytes crossing the cut after this block that it makes, does not save and something reads:
-    #: the profile holds them through the backward, so ``transient_bytes`` counts them; a step drops the
-    #: model's outputs once its loss is computed ([Note: the last block's outputs] in curves.py).
-    unsaved_output_share: float = 0.0
     #: Part of ``grad_bytes`` for parameters only blocks with every output dead use (a head the loss never
     #: reaches): no gradient is ever made for them, so a single replica never holds it; replicas' all-reduce
     #: buckets do (see [Note: unreached gradients] in partition/fresh.py).

@@ -46,7 +46,6 @@ def with_shared_saves(
                 saved_output_share=share(captured.cuts[k], every(k)),
                 passed_shares=_passed(captured.cuts[k], k, every(k), cut_dtype, saved=False),
                 saved_passed_shares=_passed(captured.cuts[k], k, every(k), cut_dtype, saved=True),
-                unsaved_output_share=_unsaved_own(captured, k, every(k), cut_dtype),
             )
         if k > 0 and k - 1 in names and k in names:
             both = share(captured.cuts[k - 1], names[k][0] & every(k - 1))
@@ -68,16 +67,6 @@ def _passed(
         if t.producer < k and (t.name in names) == saved and _as_received(t.dtype):
             by[t.producer] = by.get(t.producer, 0) + scaled_nbytes(t, cut_dtype)
     return tuple((p, min(1.0, b / total)) for p, b in sorted(by.items()) if b > 0) if total > 0 else ()
-
-
-def _unsaved_own(captured: CapturedModel, k: int, saved: frozenset[str], cut_dtype: torch.dtype | None) -> float:
-    """The share of the cut after block ``k`` that it makes, does not save, and something reads (not dead)."""
-    cut, dead = captured.cuts[k], captured.blocks[k].dead_outputs
-    total = sum(scaled_nbytes(t, cut_dtype) for t in cut)
-    own = sum(
-        scaled_nbytes(t, cut_dtype) for t in cut if t.producer == k and t.name not in saved and t.name not in dead
-    )
-    return min(1.0, own / total) if total > 0 else 0.0
 
 
 def _as_received(dtype: str) -> bool:
