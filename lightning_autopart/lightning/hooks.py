@@ -286,7 +286,7 @@ class StepLoss:
         stage reads the batch it holds: no copy of it is priced as the loss's (a CPU batch for meta outputs)."""
         self._placed = None
         if device is not None:
-            self._placed = (device, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, self.batch))
+            self._placed = (device, _to_device(self.batch, device))
 
     def __call__(self, output: Any, samples: int) -> torch.Tensor:
         module = self.module
@@ -296,7 +296,7 @@ class StepLoss:
             batch, device = self._placed[1], None  # there already: a view, no copy
         part = slice_batch(batch, 0, samples, self.batch_size)
         if device is not None:
-            part = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, part)
+            part = _to_device(part, device)
         self.sliced = part
         root = module.get_submodule(self.root_name) if self.root_name else module
         watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
@@ -315,6 +315,11 @@ class StepLoss:
             return  # converting it to a number reads nothing from a device
         options = {**dict(zip(_LOG_ARGUMENTS, args, strict=False)), **kwargs}
         self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device`` (other leaves as they are)."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 
 def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> StepLoss:

@@ -6,9 +6,10 @@ logits. That work runs on the last stage, once per micro-batch, so the profiler 
 adds it to the model's last block: its forward and backward time, the bytes it saves and its transient peak.
 The caller gives the loss as a function of the model's output (the strategy: the user's ``training_step`` with
 the model's forward replaced by that output, on the matching slice of the batch). That slice is a view of the
-batch on the output's device, placed there before the meters run (``place``): the last stage reads the batch it
-holds, and a copy of it (a CPU batch for estimate mode's meta outputs) is not the loss's memory or time. A loss
-that cannot run on a profiling copy (user code that reads values on meta tensors, say) is left unpriced, and the
+batch on the output's device, placed there before the meters run (``place``) and held through the timed
+runs: the last stage reads the batch it holds, and a copy of it (a CPU batch for estimate mode's meta outputs)
+is not the loss's memory or time. The profile drops the placed batch when it returns or raises. A loss that
+cannot run on a profiling copy (user code that reads values on meta tensors, say) is left unpriced, and the
 profile says why.
 """
 
@@ -90,41 +91,42 @@ def profile_loss(
 
     state = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
     place = getattr(loss, "place", None)
-    if callable(place):  # the batch on the output's device before the meters: the stage holds it there
-        place(device)
-    meter = SavedTensorMeter()
-    allocations = AllocationMeter()
-    counter = OpCounter(roofline)
-    with counter, allocations, meter.hooks():
-        run(counter)
-    # The batch's slice the loss read (its targets) is the batch every rank holds anyway ([Note: pipeline
-    # buffers] in partition/cost.py): what the loss saves of it is not the loss's own memory. What it saves of
-    # the model's output is told apart: the last block may save the same tensor (curves.add_loss).
-    of_output = meter.nbytes_of(state)
-    saved = meter.nbytes - of_output - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
-    _drop_slice(loss)
-    transient = max(0, allocations.peak - (meter.nbytes - of_output))  # the output was allocated before the loss
-    if roofline is not None:  # an estimate: the counter's roofline prices every op
-        fwd_us, bwd_us = counter.counts["fwd"].time_us, counter.counts["bwd"].time_us
-        return LossCost(fwd_us, bwd_us, saved, transient, of_output)
-    fwd, bwd = [], []
-    for i in range(warmup + repeats):
-        f, b, _ = run()
-        if i >= warmup:
-            fwd.append(f * 1e6)
-            bwd.append(b * 1e6)
-    _drop_slice(loss)
-    return LossCost(statistics.median(fwd), statistics.median(bwd), saved, transient, of_output)
+    try:
+        if callable(place):  # the batch on the output's device before the meters: the stage holds it there
+            place(device)
+        meter = SavedTensorMeter()
+        allocations = AllocationMeter()
+        counter = OpCounter(roofline)
+        with counter, allocations, meter.hooks():
+            run(counter)
+        # The batch's slice the loss read (its targets) is the batch every rank holds anyway ([Note:
+        # pipeline buffers] in partition/cost.py): what the loss saves of it is not the loss's own memory.
+        # What it saves of the model's output is told apart: the last block may save the same tensor
+        # (curves.add_loss).
+        of_output = meter.nbytes_of(state)
+        saved = meter.nbytes - of_output - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
+        _drop_slice(loss)
+        transient = max(0, allocations.peak - (meter.nbytes - of_output))  # the output was allocated before
+        if roofline is not None:  # an estimate: the counter's roofline prices every op
+            fwd_us, bwd_us = counter.counts["fwd"].time_us, counter.counts["bwd"].time_us
+            return LossCost(fwd_us, bwd_us, saved, transient, of_output)
+        fwd, bwd = [], []
+        for i in range(warmup + repeats):  # the batch stays placed: no run copies it to the device
+            f, b, _ = run()
+            if i >= warmup:
+                fwd.append(f * 1e6)
+                bwd.append(b * 1e6)
+        return LossCost(statistics.median(fwd), statistics.median(bwd), saved, transient, of_output)
+    finally:  # no profile leaves a device copy of the batch behind, returning or raising
+        _drop_slice(loss)
+        if callable(place):
+            place(None)
 
 
 def _drop_slice(loss: object) -> None:
-    """Forget the batch slice a step loss keeps from its last call, and the batch it placed on the device: no
-    profile may leave a device copy behind."""
+    """Forget the batch slice a step loss keeps from its last call (not the batch it placed on the device)."""
     if hasattr(loss, "sliced"):
         loss.sliced = ()
-    place = getattr(loss, "place", None)
-    if callable(place):
-        place(None)
 
 
 def _now(device: torch.device) -> float:

@@ -141,6 +141,57 @@ def test_a_batch_on_another_device_than_the_output_is_not_the_loss_s_memory() ->
         assert (cost.saved_bytes, cost.output_saved_bytes, cost.transient_bytes) == (tensor, tensor, 4 * tensor + 8)
 
 
+class _Watched(_Regressor):
+    """A regressor whose step notes whether its step loss holds the batch placed, and raises at call ``fail``."""
+
+    def __init__(self, fail: int | None = None) -> None:
+        super().__init__()
+        self.fail = fail
+        self.placed: list[bool] = []
+        self.loss: Any = None
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.placed.append(self.loss._placed is not None)
+        if len(self.placed) == self.fail:
+            raise RuntimeError("the user's loss failed")
+        return super().training_step(batch, batch_idx)
+
+
+def _watched(module: _Watched, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[torch.device | None]]:
+    """The step loss of ``module`` and the devices its ``place`` is called with, in order."""
+    loss = module.loss = step_loss(module, "model", {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}, 8)
+    calls: list[torch.device | None] = []
+    real = loss.place
+
+    def place(device: torch.device | None) -> None:
+        calls.append(device)
+        real(device)
+
+    monkeypatch.setattr(loss, "place", place)
+    return loss, calls
+
+
+def test_the_timed_runs_read_the_batch_placed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measure mode's timed runs read the batch the profile placed before the metered run, as the last stage
+    reads the batch it holds: no run copies its slice to the device and times the copy."""
+    module = _Watched()
+    loss, calls = _watched(module, monkeypatch)
+    profile_loss(loss, torch.randn(8, 16), 8, warmup=1, repeats=2)
+    assert module.placed == [True] * 4  # the metered run and the three timed runs
+    assert calls == [torch.device("cpu"), None]  # placed once before them, dropped once after
+    assert loss.sliced == () and loss._placed is None
+
+
+@pytest.mark.parametrize("fail", [1, 3], ids=["metered", "timed"])
+def test_a_loss_that_raises_leaves_no_batch_placed(fail: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _Watched(fail)
+    loss, calls = _watched(module, monkeypatch)
+    with pytest.raises(RuntimeError, match="the user's loss failed"):
+        profile_loss(loss, torch.randn(8, 16), 8, warmup=1, repeats=2)
+    assert len(module.placed) == fail and calls[-1] is None
+    assert loss.sliced == () and loss._placed is None  # nothing left on the device
+
+
 def test_what_a_loss_saves_of_the_output_is_told_apart_from_its_own_saves_and_transient() -> None:
     # The same work, but the second loss saves a tensor of its own (o + 0) where the first saves the output.
     out = torch.randn(64, 256)
