@@ -72,7 +72,7 @@ def profile_loss(
     """
     device = next((t.device for t in tree_leaves(output) if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
-    def run(counter: OpCounter | None = None) -> tuple[float, float, Any]:
+    def run(counter: OpCounter | None = None, forward_done: Callable[[], None] = _nothing) -> tuple[float, float, Any]:
         leaves = _leaf_outputs(output)
         grads = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if counter is not None:
@@ -80,6 +80,7 @@ def profile_loss(
         t0 = _now(device)
         value = loss(leaves, samples)
         t1 = _now(device)
+        forward_done()
         if counter is not None:
             counter.phase = "bwd"
         if value.requires_grad:
@@ -97,8 +98,9 @@ def profile_loss(
         meter = SavedTensorMeter()
         allocations = AllocationMeter()
         counter = OpCounter(roofline)
+        made: set[int] = set()  # the saves the loss allocated ([Note: a block's own memory] in transient.py)
         with counter, allocations, meter.hooks():
-            run(counter)
+            run(counter, lambda: made.update(allocations.owned(meter.keys())))
         # The batch's slice the loss read (its targets) is the batch every rank holds anyway ([Note:
         # pipeline buffers] in partition/cost.py): what the loss saves of it is not the loss's own memory.
         # What it saves of the model's output is told apart: the last block may save the same tensor
@@ -106,7 +108,7 @@ def profile_loss(
         of_output = meter.nbytes_of(state)
         saved = meter.nbytes - of_output - meter.nbytes_of(tree_leaves(getattr(loss, "sliced", ())))
         _drop_slice(loss)
-        transient = max(0, allocations.peak - (meter.nbytes - of_output))  # the output was allocated before
+        transient = max(0, allocations.peak - meter.nbytes_of_keys(made))
         if roofline is not None:  # an estimate: the counter's roofline prices every op
             fwd_us, bwd_us = counter.counts["fwd"].time_us, counter.counts["bwd"].time_us
             return LossCost(fwd_us, bwd_us, saved, transient, of_output)
@@ -121,6 +123,10 @@ def profile_loss(
         _drop_slice(loss)
         if callable(place):
             place(None)
+
+
+def _nothing() -> None:
+    """No hook between a run's forward and its backward."""
 
 
 def _drop_slice(loss: object) -> None:

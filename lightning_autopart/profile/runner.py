@@ -24,7 +24,7 @@ from lightning_autopart.profile.sandbox import (
     release_program,
     state_tensors,
 )
-from lightning_autopart.profile.saved import SavedTensorMeter
+from lightning_autopart.profile.saved import SavedTensorMeter, storage_key
 from lightning_autopart.profile.transient import AllocationMeter
 
 __all__: list[str] = []
@@ -184,6 +184,10 @@ class Runner:
             # only pick the experts): their part of the graph and its saves
             meter.forget_freed()
             casts = dict(allocations.casts)  # the copies that live into the backward (it saves them)
+            # the saves this block made (not its inputs'), and its outputs a step frees before this backward
+            # ([Note: a block's own memory] in transient.py)
+            made = allocations.owned(meter.keys())
+            allocations.discount(allocations.owned(storage_key(t) for t in outputs) - made)
             counter.phase = None
             self.grads = [torch.ones_like(t) for t in outputs]
             counter.phase = "bwd"
@@ -193,9 +197,10 @@ class Runner:
             hook.remove()
         clear_grads(self.program, self.args)
         saved = meter.nbytes
+        saved_here = meter.nbytes_of_keys(made)  # what of the saves the meter saw allocated
         self.cast_bytes = sum(casts.values())
-        self.transient_bytes = max(0, allocations.peak - saved)
-        self.fresh_extra_bytes = max(0, allocations.fresh_peak - saved - self.transient_bytes)
+        self.transient_bytes = max(0, allocations.peak - saved_here)
+        self.fresh_extra_bytes = max(0, allocations.fresh_peak - saved_here - self.transient_bytes)
         casts_saved = meter.nbytes_of_keys(casts)
         self.saved_names = (_saved(meter, self._names[0], inputs), saved_outputs)
         return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), output_bytes

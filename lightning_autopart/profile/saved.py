@@ -40,6 +40,10 @@ class SavedTensorMeter:
         keys = {storage_key(t) for t in tensors if isinstance(t, torch.Tensor)}
         return sum(n for key, n in self._saved.items() if key in keys)
 
+    def keys(self) -> set[int]:
+        """Storage keys (see :func:`storage_key`) of what is saved so far."""
+        return set(self._saved)
+
     def nbytes_of_keys(self, keys: Iterable[int]) -> int:
         """Bytes saved so far whose storage key (see :func:`storage_key`) is among ``keys``."""
         return sum(self._saved.get(key, 0) for key in set(keys))
