@@ -82,7 +82,7 @@ def profile_model(
         join_curves,
         resize_batch,
     )
-    from lightning_autopart.profile.loss import batch_bytes, profile_loss
+    from lightning_autopart.profile.loss import batch_bytes, loss_context, profile_loss
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
@@ -111,7 +111,8 @@ def profile_model(
             )
         sizes = estimate_sizes(up_to)
         result = profile_blocks(captured, **settings, progress=progress, twin=twin, sizes=sizes)
-        outputs = {n: _example_output(captured, "meta", _shapes_at(captured, twin, n)) for n in sizes}
+        dtypes = result.meta.get("output_dtypes")
+        outputs = {n: _example_output(captured, "meta", _shapes_at(captured, twin, n), dtypes) for n in sizes}
     else:
         sizes = curve_sizes(up_to) if profile == "measure" and up_to is not None else [b0]
         profiles: dict[int, ModelProfile] = {}
@@ -127,7 +128,7 @@ def profile_model(
                 notes.setdefault("curve_skipped", []).append(f"{size}: {type(error).__name__}: {error}"[:300])
                 continue
             device = "meta" if profile == "estimate" else profiles[size].device
-            outputs[size] = _example_output(at, device)
+            outputs[size] = _example_output(at, device, dtypes=profiles[size].meta.get("output_dtypes"))
         result = join_curves(profiles) if len(profiles) > 1 else next(iter(profiles.values()))
     if loss is not None:
         per_sample = batch_bytes(loss, default_dtype)
@@ -135,9 +136,12 @@ def profile_model(
             notes["batch_bytes"] = per_sample
         roofline = _roofline_of(result) if profile == "estimate" else None
         limit = loss_samples if loss_samples is not None else (up_to or b0)
+        context = loss_context(result, estimate=profile == "estimate")
         try:
             losses = {
-                n: profile_loss(loss, out, n, roofline=roofline) for n, out in outputs.items() if n <= limit
+                n: profile_loss(loss, out, n, roofline=roofline, context=context)
+                for n, out in outputs.items()
+                if n <= limit
             }
             result = add_loss(result, losses)
         except Exception as error:  # user code: the loss stays unpriced, and the profile says why
@@ -225,12 +229,18 @@ def _shapes_at(a: CapturedModel, b: CapturedModel, n: int) -> list[tuple[int, ..
     ]
 
 
-def _example_output(captured: CapturedModel, device: str, shapes: list[tuple[int, ...]] | None = None) -> Any:
-    """A stand-in for the model's output (at the capture's batch size, or of ``shapes``) on ``device`` (random
-    floats; values do not change what a loss costs), in the structure the forward returns."""
+def _example_output(
+    captured: CapturedModel,
+    device: str,
+    shapes: list[tuple[int, ...]] | None = None,
+    dtypes: list[str] | None = None,
+) -> Any:
+    """A stand-in for the model's output (at the capture's batch size, or of ``shapes``; in the capture's dtypes,
+    or in ``dtypes``: autocast's) on ``device`` (random floats; values do not change what a loss costs), in the
+    structure the forward returns."""
     tensors = []
     for k, info in enumerate(captured.cuts[-1]):
-        dtype = getattr(torch, info.dtype)
+        dtype = getattr(torch, dtypes[k] if dtypes is not None else info.dtype)
         shape = shapes[k] if shapes is not None else info.shape
         if dtype.is_floating_point:
             tensors.append(torch.randn(shape, dtype=dtype, device=device))

@@ -18,17 +18,20 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_autopart.profile.autocast_meta import MetaAutocast
 from lightning_autopart.profile.opcount import OpCounter, Roofline
+from lightning_autopart.profile.records import ModelProfile
 from lightning_autopart.profile.saved import SavedTensorMeter
 from lightning_autopart.profile.transient import AllocationMeter
 
-__all__ = ["LossCost", "LossFn", "batch_bytes", "profile_loss"]
+__all__ = ["LossCost", "LossFn", "batch_bytes", "loss_context", "profile_loss"]
 
 #: ``loss(output, samples)``: the training loss of ``samples`` samples given the model's output for them.
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -65,8 +68,10 @@ def profile_loss(
     roofline: Roofline | None = None,
     warmup: int = 1,
     repeats: int = 3,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> LossCost:
-    """Time (or, with ``roofline`` on meta tensors, price) the loss of ``samples`` samples from ``output``.
+    """Time (or, with ``roofline`` on meta tensors, price) the loss of ``samples`` samples from ``output``, its
+    forward under ``context`` (a "-mixed" step's autocast: :func:`loss_context`).
 
     Raises whatever the user's loss code raises; :func:`lightning_autopart.planner.profile_model` catches it.
     """
@@ -78,7 +83,8 @@ def profile_loss(
         if counter is not None:
             counter.phase = "fwd"
         t0 = _now(device)
-        value = loss(leaves, samples)
+        with context():
+            value = loss(leaves, samples)
         t1 = _now(device)
         forward_done()
         if counter is not None:
@@ -123,6 +129,19 @@ def profile_loss(
         _drop_slice(loss)
         if callable(place):
             place(None)
+
+
+def loss_context(prof: ModelProfile, estimate: bool) -> Callable[[], AbstractContextManager[Any]]:
+    """The autocast a "-mixed" step runs its loss under, as ``prof``'s blocks ran: on meta, the estimate's
+    (:class:`MetaAutocast`, of the device priced); on a device, torch's with Lightning's settings (no cast
+    cache). Nothing for other precisions."""
+    kernels = prof.meta.get("autocast")
+    if kernels is None:
+        return nullcontext
+    dtype = getattr(torch, prof.meta["compute_dtype"])
+    if estimate:
+        return lambda: MetaAutocast(dtype, kernels)
+    return lambda: torch.autocast(kernels, dtype=dtype, cache_enabled=False)
 
 
 def _nothing() -> None:

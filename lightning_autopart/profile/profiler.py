@@ -183,6 +183,8 @@ def profile(
     cut_dtype = precision.compute  # the dtype cuts are held in (None: each one's own)
     if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
         captured, meta["cut_dtypes"] = with_autocast_dtypes(captured, precision.compute, kernels)
+        # the loss runs on the output in these dtypes, under the same autocast ([Note: the loss] in loss.py)
+        meta.update(autocast=kernels, output_dtypes=[i.dtype for i in captured.cuts[-1]])
         twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute, kernels)[0]
         cut_dtype = None
     records: list[BlockProfile] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from lightning_autopart.capture import capture
 from lightning_autopart.profile import profile
 from lightning_autopart.profile.autocast_meta import MetaAutocast
 from lightning_autopart.profile.opcount import OpCounter
+from lightning_autopart.profile.saved import SavedTensorMeter
 
 
 class _Residual(nn.Module):
@@ -147,3 +150,73 @@ def test_an_einsum_of_mixed_dtypes_is_cast_as_autocast_casts_it(spec: str) -> No
         assert [b.activation_bytes for b in estimated.blocks] == [b.activation_bytes for b in real.blocks]
         assert [b.cut_bytes for b in estimated.blocks] == [b.cut_bytes for b in real.blocks]
 
+
+
+def _saved_bytes(fn: Any) -> tuple[int, list[torch.dtype]]:
+    """Bytes ``fn`` saves for backward (by storage), and the dtypes of the tensors it saves."""
+    meter = SavedTensorMeter()
+    dtypes: list[torch.dtype] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        dtypes.append(t.dtype)
+        return meter.pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, meter.unpack):
+        fn()
+    return meter.nbytes, dtypes
+
+
+def test_cross_entropy_saves_a_bfloat16_log_softmax_and_a_float32_copy_as_cuda_does() -> None:
+    """``F.cross_entropy`` is on none of CUDA's lists: its ``log_softmax`` keeps the logits' dtype and
+    ``nll_loss`` (float32 list) saves a float32 copy of it. Logits already in float32 save one float32 tensor."""
+    with torch.device("meta"):
+        low = torch.empty(16, 100, dtype=torch.bfloat16, requires_grad=True)
+        full = torch.empty(16, 100, requires_grad=True)
+        labels = torch.zeros(16, dtype=torch.long)
+    with MetaAutocast(torch.bfloat16):
+        mixed, mixed_dtypes = _saved_bytes(lambda: F.cross_entropy(low, labels))
+        plain, _ = _saved_bytes(lambda: F.cross_entropy(full, labels))
+        smoothed, _ = _saved_bytes(lambda: F.cross_entropy(low, labels, label_smoothing=0.1))
+        assert F.cross_entropy(low, labels).dtype == torch.float32
+    assert mixed == 16 * 100 * (2 + 4) + 16 * 8 + 4  # and the labels, and nll_loss's total weight
+    assert {torch.bfloat16, torch.float32} <= set(mixed_dtypes)
+    assert plain == 16 * 100 * 4 + 16 * 8 + 4
+    assert smoothed >= 16 * 100 * 4  # priced as a float32 cast of the logits
+
+
+class _Head(nn.Module):
+    """A linear head: under autocast its output, the loss's input, is bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_the_loss_runs_under_autocast_on_the_output_autocast_gives() -> None:
+    """The step runs its loss inside the precision's autocast, on the bfloat16 output of a linear head
+    ([Note: the loss] in loss.py): the profile records the output's dtypes, and a loss on the CPU's float32 list
+    (``cross_entropy``) runs on the float32 copy autocast makes, in measure mode and on meta alike."""
+    from lightning_autopart.planner import profile_model
+    from lightning_autopart.profile.loss import profile_loss
+
+    def loss(out: torch.Tensor, n: int) -> torch.Tensor:
+        return F.cross_entropy(out, torch.zeros(n, dtype=torch.long, device=out.device))
+
+    x = torch.randn(16, 32)
+    mixed = profile_model(_Head(), x, profile="estimate", spec="cpu", up_to=16, loss=loss, dtype="bf16-mixed")
+    full = profile_model(_Head(), x, profile="estimate", spec="cpu", up_to=16, loss=loss)
+    assert mixed.meta["output_dtypes"] == ["bfloat16"] and mixed.meta["autocast"] == "cpu"
+    assert "autocast" not in full.meta
+    real = profile_loss(
+        loss, torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True), 16, warmup=0, repeats=1,
+        context=lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+    )  # fmt: skip
+    with torch.device("meta"):
+        out = torch.empty(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    meta = profile_loss(loss, out, 16, warmup=0, repeats=1, context=lambda: MetaAutocast(torch.bfloat16, "cpu"))
+    bare = profile_loss(loss, out, 16, warmup=0, repeats=1)
+    assert (real.saved_bytes, real.transient_bytes) == (meta.saved_bytes, meta.transient_bytes)
+    assert real.saved_bytes >= 16 * 64 * 4 > bare.saved_bytes  # a float32 log-softmax, not a bfloat16 one
