@@ -17,6 +17,7 @@ native kernel allocates and frees inside one op are invisible to all of them.
 from __future__ import annotations
 
 import gc
+import os
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -218,7 +219,7 @@ class PeakTracker(TorchDispatchMode):
         include_live: Seed the tracker with a census of the live storages on entering (see above).
     """
 
-    def __init__(self, include_live: bool = False) -> None:
+    def __init__(self, include_live: bool = False, labels: bool = False) -> None:
         super().__init__()
         #: Bytes of the tracked storages alive now.
         self.current: int = 0
@@ -226,6 +227,10 @@ class PeakTracker(TorchDispatchMode):
         self.peak: int = 0
         self.include_live = include_live
         self._tracked: dict[int, tuple[int, weakref.ref[Any]]] = {}
+        #: With ``labels``: what made each live storage ("F"/"B" for forward/backward, the op, shape, dtype),
+        #: and the bytes of each label at the last peak (a debugging aid: where a measured peak comes from).
+        self.labels: dict[int, str] | None = {} if labels else None
+        self.at_peak: dict[str, int] = {}
 
     def __enter__(self) -> PeakTracker:
         if self.include_live:
@@ -256,6 +261,11 @@ class PeakTracker(TorchDispatchMode):
         else:
             self._tracked[key] = (nbytes, weakref.ref(storage, _Release(self, key)))
             self.current += nbytes
+        if self.current > self.peak and self.labels is not None:
+            self.at_peak = {}
+            for k, (n, _) in self._tracked.items():
+                label = self.labels.get(k, "before")
+                self.at_peak[label] = self.at_peak.get(label, 0) + n
         self.peak = max(self.peak, self.current)
 
     def _release(self, key: int) -> None:
@@ -275,6 +285,9 @@ class PeakTracker(TorchDispatchMode):
             key = _key(t)
             if key is None or (key in inputs and key not in self._tracked):
                 continue  # a view or an in-place result of an input the tracker does not follow
+            if self.labels is not None and key not in self._tracked:
+                phase = "F" if torch.is_grad_enabled() else "B"
+                self.labels[key] = f"{phase} {func} {tuple(t.shape)} {str(t.dtype)[6:]}"
             try:
                 self._track(t.untyped_storage())
             except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
@@ -411,7 +424,7 @@ class StepPeak(L.Callback):
         state += [t for o in trainer.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
         state += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
         state += list(self.extra(trainer)) if self.extra is not None else []
-        self._tracker = PeakTracker()
+        self._tracker = PeakTracker(labels=bool(os.environ.get(LABELS)))
         self._tracker.track({t.untyped_storage()._cdata: t.untyped_storage() for t in state}.values())
         self._tracker.__enter__()
 
@@ -419,7 +432,23 @@ class StepPeak(L.Callback):
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self.peaks.append(self._tracker.peak)
+            if self._tracker.labels is not None:
+                _write_labels(self._tracker, i, trainer.global_rank)
             self._tracker = None
+
+
+#: Set to a folder, StepPeak writes what each probed batch held at its peak there, by what made it
+#: (``peaks-{rank}.txt``): a debugging aid for a prediction that misses, at no cost otherwise.
+LABELS = "AUTOPART_PEAK_LABELS"
+
+
+def _write_labels(tracker: PeakTracker, batch: int, rank: int) -> None:
+    """Append ``tracker``'s peak, and the bytes of each label at it (largest first), to the labels' folder."""
+    path = os.path.join(os.environ[LABELS], f"peaks-{rank}.txt")
+    rows = sorted(tracker.at_peak.items(), key=lambda kv: -kv[1])
+    with open(path, "a") as f:
+        f.write(f"batch {batch} peak {tracker.peak}\n")
+        f.writelines(f"  {n:12d}  {label}\n" for label, n in rows)
 
 
 def stage_buffers(schedules: Iterable[Any]) -> list[torch.Tensor]:

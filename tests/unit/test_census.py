@@ -285,3 +285,18 @@ def test_step_probe_refuses_to_pop_a_mode_it_did_not_push() -> None:
     finally:
         while torch._C._len_torch_dispatch_stack() > 0:
             _pop_mode()
+
+
+def test_labels_say_what_made_the_bytes_at_the_peak() -> None:
+    """``labels=True`` (StepPeak's ``AUTOPART_PEAK_LABELS``): the bytes alive at the peak by phase, op, shape and
+    dtype; they sum to the peak."""
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    tracker = PeakTracker(labels=True)
+    with tracker:
+        y = (x @ w).relu()
+        y.sum().backward()
+    assert sum(tracker.at_peak.values()) == tracker.peak
+    assert tracker.at_peak["F aten.relu.default (4, 16) float32"] == 4 * 16 * 4  # saved for the backward
+    assert tracker.at_peak["B aten.mm.default (16, 16) float32"] == 16 * 16 * 4  # the weight's gradient
+    assert PeakTracker().labels is None  # off by default: nothing recorded
