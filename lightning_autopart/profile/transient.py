@@ -5,11 +5,12 @@ of that, while one micro-batch runs backward, the gradients and temporaries it a
 GPT's logits is as large as the logits). :class:`AllocationMeter` follows every storage the block's operations
 create (a weak reference on each storage's Python object, which torch keeps for as long as the storage lives,
 meta storages too) and keeps the peak of their sum; the transient is that peak minus the bytes saved for
-backward that the block allocated ([Note: a block's own memory]). Parameter gradients are state, counted elsewhere: the runner gives every parameter a gradient before
-the run, so backward accumulates into it. Under autocast, ``_to_copy`` of a parameter makes the low-precision
-copy of a weight. A copy the backward saves lives from its forward to the backward, but not through the
-optimizer step, so those bytes are reported apart (``cast_bytes``; [Note: weight casts] in partition/cost.py);
-a copy it does not save (a first layer's, whose input needs no gradient) dies with its operation, a transient.
+backward that the block allocated ([Note: a block's own memory]). Parameter gradients are state, counted
+elsewhere: the runner gives every parameter a gradient before the run, so backward accumulates into it. Under
+autocast, ``_to_copy`` of a parameter makes the low-precision copy of a weight. A copy the backward saves lives
+from its forward to the backward, but not through the optimizer step, so those bytes are reported apart
+(``cast_bytes``; [Note: weight casts] in partition/cost.py); a copy it does not save (a first layer's, whose
+input needs no gradient) dies with its operation, a transient.
 
 [Note: a block's own memory] The peak is of what the block allocates, so the saves it is measured against are
 those it allocated too (:meth:`AllocationMeter.owned`): an input it saves was made before it (its activation
