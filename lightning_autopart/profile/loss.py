@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_autopart.profile.autocast_meta import MetaAutocast
 from lightning_autopart.profile.opcount import OpCounter, Roofline
+from lightning_autopart.profile.precision import lightning_autocast
 from lightning_autopart.profile.records import ModelProfile
 from lightning_autopart.profile.saved import SavedTensorMeter
 from lightning_autopart.profile.transient import AllocationMeter
@@ -141,7 +142,7 @@ def loss_context(prof: ModelProfile, estimate: bool) -> Callable[[], AbstractCon
     dtype = getattr(torch, prof.meta["compute_dtype"])
     if estimate:
         return lambda: MetaAutocast(dtype, kernels)
-    return lambda: torch.autocast(kernels, dtype=dtype, cache_enabled=False)
+    return lightning_autocast(kernels, dtype)
 
 
 def _nothing() -> None:

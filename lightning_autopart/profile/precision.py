@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,6 +92,12 @@ def parse_precision(dtype: str | None, module: nn.Module) -> Precision:
         raise ConfigError(f"unknown dtype {dtype!r}; use one of: {', '.join(sorted(_PRECISIONS))}")
     param, compute = _PRECISIONS[key]
     return Precision(key, param, compute)
+
+
+def lightning_autocast(device_type: str, dtype: torch.dtype) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The autocast Lightning's mixed precision runs a step under, as a context factory: no cast cache, so each
+    use of a weight makes its own copy."""
+    return lambda: torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
 def scaled_nbytes(info: TensorInfo, dtype: torch.dtype | None) -> int:

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_autopart.capture.graph import Block
 from lightning_autopart.capture.meta_layouts import meta_layouts
 from lightning_autopart.profile.opcount import OpCounter
-from lightning_autopart.profile.precision import Precision
+from lightning_autopart.profile.precision import Precision, lightning_autocast
 from lightning_autopart.profile.sandbox import (
     clear_grads,
     copy_program,
@@ -108,9 +108,7 @@ class Runner:
         #: Context of every forward: autocast for a "-mixed" precision, or what the caller sets.
         self.context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         if precision.mixed and precision.compute is not None and device.type != "meta":
-            compute = precision.compute
-            # as Lightning's MixedPrecision runs it: no cache, each use of a weight makes its own copy
-            self.context = lambda: torch.autocast(device.type, dtype=compute, cache_enabled=False)
+            self.context = lightning_autocast(device.type, precision.compute)
         self.grads: list[torch.Tensor] = []
         #: Backward's transient peak and autocast's weight copies, from the last :meth:`counted_run`.
         self.transient_bytes = 0
