@@ -12,7 +12,7 @@ traceback is printed before the exit handlers run.
 [Note: groups end before the interpreter] A process that saw no failure ends its process groups itself, in an
 exit handler that :func:`install` registers right after the exit guard (so it runs after every handler
 registered later, a logger's or the user's), while the interpreter is whole. Left to the interpreter's
-teardown, gloo groups (the world, the stages', the DeviceMesh's) are destroyed in whatever order finalization
+teardown, gloo groups (the world, the pipelines', the replicas') are destroyed in whatever order finalization
 releases them: once in five CI runs of the suite, a torchrun rank that had finished training died there with
 SIGABRT ("terminate called without an active exception", a C++ thread destroyed unjoined), turning a good
 job's exit code into 1. Lightning ends the groups at exit for NCCL only, so a job whose default group uses

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.metrics import StateSpec, resolve_metrics
 from lightning_autopart.plan import Plan
-from lightning_autopart.runtime.topology import pipeline_ranks
+from lightning_autopart.runtime.topology import new_group, pipeline_ranks
 
 __all__ = ["MAX_LAYOUTS", "LogChannel", "open_log_channel"]
 
@@ -278,8 +278,8 @@ def open_log_channel(plan: Plan, rank: int, device: torch.device | None = None) 
         ranks = sorted(pipeline_ranks(plan, replica))
         if len(ranks) < 2:
             continue
-        host = dist.new_group(ranks, backend="gloo")
-        values = dist.new_group(ranks) if device.type != "cpu" else None
+        host = new_group(ranks, backend="gloo")
+        values = new_group(ranks) if device.type != "cpu" else None
         if rank in ranks:
             mine, src = (host, values), plan.stages[-1].ranks[replica]
     return LogChannel(mine[0], src, rank, device, mine[1])

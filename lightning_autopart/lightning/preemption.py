@@ -61,6 +61,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.runtime.topology import new_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -187,7 +188,7 @@ class Preemption:
             and dist.is_initialized()
             and dist.get_world_size() > 1
         ):
-            self._group = dist.new_group(backend="gloo")
+            self._group = new_group(backend="gloo")  # the job's timeout: [Note: a subgroup's timeout]
         if self.takes_sigterm:  # [Note: Lightning's per-batch SIGTERM broadcast]
             _quiet_sigterm_broadcast(trainer)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init

@@ -103,7 +103,7 @@ def split_module(
     materialized = None
     if has_meta_tensors(module):  # built on meta: allocate and initialise only this rank's share
         materialized = materialize(module, _kept(module, plan, captured, rank, in_blocks), init_rng)
-    groups = build_groups(plan, tied, device.type)
+    groups = build_groups(plan, tied)
     runner = PipelineRunner(plan, captured, rank, device, tied=tied, groups=groups)
     channel = open_log_channel(plan, rank, device)
     shapes = tuple(t.shape for t in captured.inputs)

@@ -104,7 +104,7 @@ class PipelineRunner:
         if tied is None:
             tied = tied_groups(plan, captured)
         if groups is None:
-            groups = build_groups(plan, tied, self.device.type)
+            groups = build_groups(plan, tied)
         #: How the model's output is rebuilt from the last stage's tensors.
         self.output: OutputSpec = captured.output
         #: This rank's stage modules by stage index (the user's parameters under their original names).

@@ -1,22 +1,29 @@
 """Where a rank sits in a plan: its stages, its pipeline group and its data-parallel group.
 
-The pipeline and data-parallel groups come from a two-dimensional ``DeviceMesh`` ("dp" x "pp") built from the
-plan, as torchtitan composes them; groups the mesh cannot express (the ranks holding a tied weight) are
-created beside it.
+Every rank creates the same groups in the same order (:func:`build_groups`): each replica's pipeline, each
+stage's replicas, the ranks holding a tied weight.
 
 Replica ``r`` of the pipeline is the ``r``-th rank of every stage (``StagePlan.ranks[r]``). A pipeline group
 holds one rank per stage position of one replica, in stage order; a data-parallel group holds the replicas of
 one stage. With interleaving, stage ``s`` lives on pipeline position ``s % pp_size`` (torch's "loop" layout).
+
+[Note: a subgroup's timeout] ``dist.new_group`` (and ``DeviceMesh``, for a dimension smaller than the world)
+gives a group torch's default timeout, 30 minutes on gloo and 10 on NCCL, not the one the job passed to
+``init_process_group`` (the strategy's ``timeout``). A rank waiting there for a frozen peer waited 30 minutes
+where the job said 20 s: the log channel's broadcast, the pre-emption flag, the pipeline of a plan with several
+replicas. Every group autopart creates takes the default group's timeout (:func:`new_group`). It is given at
+creation: ``_set_pg_timeout`` afterwards reaches gloo's collectives, not its point-to-point transfers (the
+pipeline's), which keep the timeout of the group's connections. So the groups are not a ``DeviceMesh``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
-import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.plan import Plan
@@ -24,9 +31,10 @@ from lightning_autopart.plan import Plan
 __all__ = [
     "Placement",
     "build_groups",
-    "build_mesh",
     "data_parallel_ranks",
     "group_ranks",
+    "job_timeout",
+    "new_group",
     "pipeline_ranks",
     "place",
     "tied_ranks",
@@ -135,34 +143,38 @@ def group_ranks(plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = ()) -> l
     return list(dict.fromkeys(tuple(sorted(g)) for g in candidates))
 
 
-def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The plan's ranks as a ("dp", "pp") DeviceMesh: row ``r`` is replica ``r``'s pipeline, column ``p`` the
-    replicas of pipeline position ``p``. Collective: every rank of the default group must call it."""
-    rows = [list(pipeline_ranks(plan, r)) for r in range(plan.replicas)]
-    return DeviceMesh(device_type, torch.tensor(rows, dtype=torch.int64), mesh_dim_names=("dp", "pp"))
-
-
 def build_groups(
-    plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = (), device_type: str = "cpu"
+    plan: Plan, tied: Sequence[tuple[str, Sequence[int]]] = ()
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """This rank's groups of :func:`group_ranks`, by sorted ranks: its pipeline and data-parallel groups from
-    :func:`build_mesh`, the tied-weight groups from ``dist.new_group``.
+    """This rank's groups of :func:`group_ranks`, by sorted ranks, all with the job's timeout: a group of every
+    rank is the default group, any other comes from :func:`new_group`.
 
     Must be called on every rank of the default process group, with the same arguments, at the same point:
     each rank creates every group, in the same order, even groups it is not in.
     """
-    me = dist.get_rank()
-    mesh = build_mesh(plan, device_type)
+    me, world = dist.get_rank(), dist.get_world_size()
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for dim in ("pp", "dp"):
-        group = mesh.get_group(dim)
-        groups[tuple(sorted(dist.get_process_group_ranks(group)))] = group
-    in_mesh = {tuple(sorted(pipeline_ranks(plan, r))) for r in range(plan.replicas)}
-    in_mesh |= {data_parallel_ranks(plan, s.index) for s in plan.stages}
     for ranks in group_ranks(plan, tied):
-        if ranks in in_mesh:
-            continue
-        group = dist.new_group(list(ranks))
+        group = dist.group.WORLD if len(ranks) == world else new_group(ranks)
         if me in ranks and group is not None:
             groups[ranks] = group
     return groups
+
+
+def job_timeout() -> timedelta | None:
+    """The default group's timeout (``init_process_group(timeout=...)``), None where its backends do not say."""
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    for device in getattr(world, "_device_types", ()):
+        with contextlib.suppress(Exception):  # a backend without options
+            timeout = world._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    return None
+
+
+def new_group(ranks: Sequence[int] | None = None, backend: str | None = None) -> dist.ProcessGroup:
+    """``dist.new_group`` with the job's timeout, not torch's default ([Note: a subgroup's timeout]); collective
+    over the default group, as ``dist.new_group`` (which returns a placeholder on a rank outside ``ranks``)."""
+    return dist.new_group(None if ranks is None else list(ranks), backend=backend, timeout=job_timeout())

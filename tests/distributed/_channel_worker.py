@@ -1,5 +1,6 @@
 """A torchrun worker for the log channel: 2 stages x 2 replicas; each pipeline's last stage shares a step
-sequence whose logged names change. Rank r writes ``OUT/rank{r}.pt``: the (loss, records) it received per step.
+sequence whose logged names change. Rank r writes ``OUT/rank{r}.pt``: the (loss, records) it received per step,
+and the timeout of every group it is in (the channel's, the runtime's), the job's being :data:`TIMEOUT`.
 
 Usage: ``python -m torch.distributed.run --nproc_per_node=4 tests/distributed/_channel_worker.py OUT``.
 """
@@ -7,6 +8,7 @@ Usage: ``python -m torch.distributed.run --nproc_per_node=4 tests/distributed/_c
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.log_channel import open_log_channel
+from lightning_autopart.runtime.topology import build_groups
 from tests.distributed.job import end_job
 from tests.pipeline_plans import make_plan
 
-__all__ = ["steps"]
+__all__ = ["TIMEOUT", "steps"]
+
+#: The job's timeout (``init_process_group``): every group autopart creates must take it, not torch's 30 minutes.
+TIMEOUT = timedelta(seconds=41)
 
 
 def steps(replica: int) -> list[tuple[str, float | None, list[LogRecord]]]:
@@ -41,7 +47,7 @@ def steps(replica: int) -> list[tuple[str, float | None, list[LogRecord]]]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=TIMEOUT)
     rank = dist.get_rank()
     plan = make_plan(4, 2, 2)
     channel = open_log_channel(plan, rank)
@@ -55,7 +61,9 @@ def main() -> None:
         else:
             got.append(channel.share(kind, None, []))
     channel.wait()
-    torch.save({"replica": replica, "got": got}, out / f"rank{rank}.pt")
+    groups = [channel.group, *build_groups(plan, [("tie", (0, 1))]).values()]
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout for g in groups if g is not None]
+    torch.save({"replica": replica, "got": got, "timeouts": timeouts}, out / f"rank{rank}.pt")
     end_job()
 
 

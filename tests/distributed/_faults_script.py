@@ -10,6 +10,7 @@ stop or kill exactly the processes the job started, and where the rank the fault
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -44,6 +45,7 @@ FAULTS = {
     "kill_last": (1, "the last stage's process is killed (SIGKILL)"),
     "kill_first": (0, "the first stage's process is killed (SIGKILL)"),
     "stop_last": (1, "the last stage's process is stopped (SIGSTOP): a frozen node"),
+    "stop_last_logs": (1, "the last stage is stopped after its schedule, before it sends the step's logs"),
     "stop_first": (0, "the first stage's process is stopped (it hosts the store under Lightning's launcher)"),
 }
 
@@ -123,6 +125,16 @@ class FaultyMLP(L.LightningModule):
         if self._hit("stop_last") or self._hit("stop_first"):
             _strike()
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self._hit("stop_last_logs"):  # the peer then waits in the log channel's group, not the pipeline's
+            channel = self.trainer.strategy._steps.channel  # type: ignore[attr-defined]
+            send = channel._send
+
+            def frozen_send(*args: Any, **kwargs: Any) -> Any:
+                _strike()
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return send(*args, **kwargs)
+
+            channel._send = frozen_send
         if self._hit("oom_forward"):
             runner = self.trainer.strategy._runner  # type: ignore[attr-defined]
 
@@ -171,6 +183,7 @@ def main() -> None:
     fault, timeout, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     devices = int(sys.argv[4]) if len(sys.argv) > 4 else 2  # 4: 2 stages x 2 replicas
     OUT = out
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the watcher asks where a hung rank waits
     torch.set_num_threads(1)
     options: dict[str, Any] = {} if timeout == "default" else {"timeout": timedelta(seconds=float(timeout))}
     strategy = AutoPartitionStrategy(num_stages=2, micro_batches=2, profile="estimate", **options)

@@ -4,8 +4,10 @@
 "child subreaper" of the job (``prctl(PR_SET_CHILD_SUBREAPER)``): a rank orphaned by its launcher's exit is
 reparented to it, so it reaps every rank and reads its exit code, as well as timing it. Each rank writes
 ``OUT/pid{rank}`` (see ``_faults_script.py``); a rank that is stopped (SIGSTOP) once every other process has
-exited, or anything still alive at the bound, is killed (SIGKILL) by its process id and reported so. Only the
-processes the job started are ever signalled.
+exited, or anything still alive at the bound, is killed (SIGKILL) by its process id and reported so; a process
+still running then is first sent SIGUSR2, on which the fault script prints every thread's stack, so the log
+says where it waited. The bound runs from the launch, and at least ``after`` seconds past the fault (a slow
+start-up on a loaded machine is not a hang). Only the processes the job started are ever signalled.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = ["Exit", "Watched", "watch_job"]
 _PR_SET_CHILD_SUBREAPER = 36
 #: Seconds between two looks at the processes.
 _POLL = 0.02
+#: Seconds a process that is still running at the bound has to print its stacks (SIGUSR2) before it is killed.
+_DUMP_WAIT = 1.0
 
 
 @dataclass
@@ -105,7 +109,14 @@ def _command(script: list[str], how: str, world: int) -> tuple[list[str], dict[s
     return [sys.executable, *script], env
 
 
-def _watch(script: list[str], how: str, out: Path, world: int, bound: float) -> Watched:
+def _fault_at(out: Path) -> float | None:
+    """When the fault struck (``OUT/fault``), None before."""
+    with contextlib.suppress(OSError, ValueError):
+        return float((out / "fault").read_text())
+    return None
+
+
+def _watch(script: list[str], how: str, out: Path, world: int, bound: float, after: float) -> Watched:
     """Launch and watch (in the subreaper process)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     command, env = _command(script, how, world)
@@ -117,6 +128,7 @@ def _watch(script: list[str], how: str, out: Path, world: int, bound: float) -> 
         )
     watched = Watched(Exit(proc.pid))
     exits = {proc.pid: watched.launcher}
+    deadline = start + bound
     while True:
         now = time.time()
         while True:  # reap the launcher and every orphaned rank
@@ -148,10 +160,18 @@ def _watch(script: list[str], how: str, out: Path, world: int, bound: float) -> 
                 exits[pid].killed_by_watcher = "stopped"
         if not running and not stopped and exits[proc.pid].code is not None:
             break
-        if now > start + bound:
+        struck = _fault_at(out)
+        if struck is not None:
+            deadline = max(deadline, struck + after)
+        if now > deadline:
+            for pid in running:  # where it waits, in the log
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+            time.sleep(_DUMP_WAIT if running else 0.0)
             for pid in running + stopped:
-                os.kill(pid, signal.SIGKILL)
-                exits[pid].killed_by_watcher = f"alive after {bound:.0f} s"
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                exits[pid].killed_by_watcher = f"alive {now - start:.0f} s after the launch"
         time.sleep(_POLL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # anything left in the job's session
@@ -168,16 +188,17 @@ def _watch(script: list[str], how: str, out: Path, world: int, bound: float) -> 
 
 
 def watch_job(
-    script: list[str], out: Path, how: str = "lightning", world: int = 2, bound: float = 60.0
+    script: list[str], out: Path, how: str = "lightning", world: int = 2, bound: float = 60.0, after: float = 60.0
 ) -> Watched:
     """Run ``python *script`` on ``world`` processes (Lightning's launcher or torchrun) and time every exit;
-    anything alive ``bound`` seconds after the launch is killed (and reported so)."""
-    config = {"script": script, "how": how, "out": str(out), "world": world, "bound": bound}
+    anything alive ``bound`` seconds after the launch and ``after`` seconds after the fault is killed (and
+    reported so)."""
+    config = {"script": script, "how": how, "out": str(out), "world": world, "bound": bound, "after": after}
     done = subprocess.run(
         [sys.executable, __file__, json.dumps(config)],
         capture_output=True,
         text=True,
-        timeout=bound + 60,
+        timeout=bound + after + 60,
         check=True,
     )
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
@@ -189,7 +210,9 @@ def watch_job(
 
 if __name__ == "__main__":
     given = json.loads(sys.argv[1])
-    seen = _watch(given["script"], given["how"], Path(given["out"]), given["world"], given["bound"])
+    seen = _watch(
+        given["script"], given["how"], Path(given["out"]), given["world"], given["bound"], given["after"]
+    )
     print(
         json.dumps(
             {"launcher": asdict(seen.launcher), "ranks": {r: asdict(e) for r, e in seen.ranks.items()}}

@@ -11,7 +11,7 @@ import torch
 
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.log_channel import LogChannel
-from tests.distributed._channel_worker import steps
+from tests.distributed._channel_worker import TIMEOUT, steps
 from tests.distributed.launch import run_job
 
 pytestmark = pytest.mark.distributed
@@ -24,6 +24,10 @@ def test_every_pipeline_rank_receives_its_last_stage_logs(tmp_path: Path) -> Non
     assert code == 0, log[-4000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert sorted(r["replica"] for r in results) == [0, 0, 1, 1]
+    # the channel's group, the pipeline's and the replicas' (a DeviceMesh's), a tie's: the job's timeout, which
+    # torch gives none of them by itself ([Note: a subgroup's timeout])
+    assert [len(r["timeouts"]) for r in results] == [4] * 4
+    assert all(t == TIMEOUT for r in results for t in r["timeouts"]), [r["timeouts"] for r in results]
     for rank, result in enumerate(results):
         expected = steps(result["replica"])
         assert len(result["got"]) == len(expected)

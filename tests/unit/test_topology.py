@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
+from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from lightning_autopart.errors import ConfigError
@@ -74,27 +75,22 @@ def test_group_ranks_are_unique_and_ordered() -> None:
     assert group_ranks(make_plan(8, 1, 1)) == [(0,)]
 
 
-def test_build_groups_takes_pipelines_and_replicas_from_a_mesh_and_ties_from_new_group(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    plan = make_plan(8, 2, 2)  # pipelines (0, 1) and (2, 3); replicas of the stages (0, 2) and (1, 3)
-    meshes: list[tuple[str, list[list[int]], tuple[str, ...]]] = []
+def test_build_groups_creates_every_group_in_order_with_the_jobs_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank creates every group of ``group_ranks``, in its order, each with the default group's timeout
+    (torch would give it 30 minutes: [Note: a subgroup's timeout]); a rank keeps the groups it is in."""
+    plan = make_plan(8, 3, 2)  # pipelines (0, 1, 2) and (3, 4, 5), replicas (0, 3) (1, 4) (2, 5)
+    timeout = timedelta(seconds=9)
+    calls: list[tuple[list[int], Any]] = []
 
-    class FakeMesh:
-        def __init__(self, device_type: str, mesh: torch.Tensor, mesh_dim_names: tuple[str, ...]) -> None:
-            meshes.append((device_type, mesh.tolist(), mesh_dim_names))
+    def new_group(ranks: list[int], backend: Any = None, timeout: Any = None) -> tuple[int, ...]:
+        calls.append((ranks, timeout))
+        return tuple(ranks)
 
-        def get_group(self, dim: str) -> str:
-            return {"pp": "pp-group", "dp": "dp-group"}[dim]
-
-    calls: list[list[int]] = []
-    monkeypatch.setattr(topology, "DeviceMesh", FakeMesh)
-    monkeypatch.setattr(dist, "get_rank", lambda: 2)
-    monkeypatch.setattr(
-        dist, "get_process_group_ranks", lambda g: {"pp-group": [2, 3], "dp-group": [0, 2]}[g]
-    )
-    monkeypatch.setattr(dist, "new_group", lambda ranks: calls.append(ranks) or tuple(ranks))
-    groups = build_groups(plan, [("head.weight", (0, 1))])
-    assert meshes == [("cpu", [[0, 1], [2, 3]], ("dp", "pp"))]
-    assert calls == [[0, 1, 2, 3]]  # only the tie is not a row or a column of the mesh
-    assert groups == {(2, 3): "pp-group", (0, 2): "dp-group", (0, 1, 2, 3): (0, 1, 2, 3)}
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 6)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(topology, "job_timeout", lambda: timeout)
+    groups = build_groups(plan, [("head.weight", (0, 2))])
+    order = [[0, 1, 2], [3, 4, 5], [0, 3], [1, 4], [2, 5], [0, 2, 3, 5]]
+    assert calls == [(ranks, timeout) for ranks in order]
+    assert groups == {(3, 4, 5): (3, 4, 5), (0, 3): (0, 3), (0, 2, 3, 5): (0, 2, 3, 5)}
