@@ -21,7 +21,8 @@ So, at the first exception of a fit (``Strategy.on_exception``), :meth:`FaultGua
    on stderr at once: a launcher may kill this process any moment): the first failure and why; or, with no
    report, what this rank waited for (the operation, from the traceback's frames: the pipeline's
    activations/gradients, the log channel broadcast, the gradient all-reduce...), from which ranks (the plan's
-   placement) and how their processes are where they run on this host (gone, stopped, killed by a signal); or
+   placement) and how their processes are where they run on this host (gone, stopped, killed by a signal;
+   when they only wait too, a frozen rank further along is named: the nearest stopped or gone on this host); or
    that the store is gone too, which under Lightning's launcher means that rank 0, its host, ended first. A
    rank writes its report before it goes down, so before a peer can see a closed connection: nobody waits for
    one.
@@ -69,6 +70,10 @@ STORE_WAIT = 2.0
 
 #: Peer ranks named one by one in a message (more are counted).
 _NAMED = 8
+#: Other ranks (the nearest) whose processes a rank looks at when its own peers only wait, like it.
+_SCANNED = 64
+#: How a process that runs is described.
+_RUNNING = "is still running"
 #: Messages of a collective that failed because of a peer (gloo, NCCL, the store).
 _BACKEND = re.compile(
     r"gloo|nccl|connection (?:closed|reset)|closed by peer|broken pipe|processgroup|remote process", re.I
@@ -163,7 +168,7 @@ def _process_state(pid: int) -> str:
     except (OSError, IndexError):
         return "is gone (killed, e.g. by kill -9 or the out-of-memory killer, or crashed)"
     if fields[0] != "Z":
-        return _STATES.get(fields[0], "is still running")
+        return _STATES.get(fields[0], _RUNNING)
     if len(fields) < 50 or not fields[49].isdigit():  # field 52: the wait status (Linux 3.5 and later)
         return "has ended"
     status = int(fields[49])
@@ -262,9 +267,7 @@ class FaultGuard:
             verdict = "ended first; its output says why" if trouble == "is gone" else "is frozen too"
             why = f"No rank could report why: the job's store {trouble}, so {host} {verdict}"
             return f"autopart: {who} stopped: {cause}. {why}"
-        states = "".join(
-            f" {_who(r, plan).capitalize()}{s}." for r in peers[:_NAMED] if (s := self._peer_state(r))
-        )
+        states = self._states(peers[:_NAMED], plan)
         diagnosis = f"{who} stopped first: {cause}, and no rank reported an error.{states}"
         first = self._report(diagnosis)
         if first is not None and first != diagnosis:  # another rank, seeing the same failure, wrote first
@@ -279,6 +282,23 @@ class FaultGuard:
             f"autopart: {diagnosis} A process that is killed (kill -9, the out-of-memory killer) or crashes "
             "says nothing: look at its node's system log (dmesg)"
         )
+
+    def _states(self, peers: list[int], plan: Plan | None) -> str:
+        """How ``peers`` are, where they run on this host; when none of them is stopped or gone (they wait too,
+        on a rank further along), how the nearest other ranks on this host that are."""
+        seen = {r: self._peer_state(r) for r in peers}
+        states = "".join(f" {_who(r, plan).capitalize()}{s}." for r, s in seen.items() if s)
+        if any(s and not s.endswith(_RUNNING) for s in seen.values()):
+            return states
+        others = sorted(
+            (r for r in range(self.world) if r != self.rank and r not in seen), key=lambda r: abs(r - self.rank)
+        )
+        found = [
+            f" {_who(r, plan).capitalize()}{s}."
+            for r in others[:_SCANNED]
+            if (s := self._peer_state(r)) and not s.endswith(_RUNNING)
+        ]
+        return states + (" Elsewhere on this host:" + "".join(found[:_NAMED]) if found else "")
 
     def _peer_state(self, rank: int) -> str:
         """``", pid 12, is stopped (SIGSTOP...)"`` for a rank on this host; "" for one elsewhere."""

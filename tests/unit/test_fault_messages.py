@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -150,3 +151,38 @@ def test_with_no_report_a_timeout_names_the_peer_and_the_fix(guards: list[FaultG
 def test_a_system_exit_is_left_alone(guards: list[FaultGuard]) -> None:
     guards[0].on_exception(SystemExit(143))
     assert not guards[0].failed
+
+
+def test_when_its_peers_only_wait_a_timeout_names_the_rank_that_froze(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 stages x 2 replicas: rank 2 times out in the replicas' all-reduce with rank 0, which runs (it waits
+    for rank 1); rank 1, stopped on this host, is the one the message must name."""
+    monkeypatch.setattr(exits, "arm", lambda: None)
+    monkeypatch.setattr(exits, "install", lambda: None)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    plan = make_plan(8, 2, 2)  # pipelines (0, 1) and (2, 3); replicas (0, 2) and (1, 3)
+    guard = FaultGuard()
+    guard.arm(2, 4, timedelta(seconds=20))
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        assert _settles(frozen.pid, "is stopped")
+        host = socket.gethostname()
+        store.set("autopart/0/pid/0", f"{host} {os.getpid()}")
+        store.set("autopart/0/pid/1", f"{host} {frozen.pid}")
+        code = compile("raise RuntimeError(TIMED_OUT)", "/x/lightning_autopart/runtime/buckets.py", "exec")
+        try:
+            exec(code, {"TIMED_OUT": TIMED_OUT})
+        except RuntimeError as error:
+            guard.on_exception(error, _split(plan, 2))
+            message = str(error).splitlines()[0]
+    finally:
+        frozen.kill()
+        frozen.wait()
+    assert message.startswith(
+        "autopart: rank 2 (stage 0) stopped first: nothing came within the timeout (20 s) while it waited for the "
+        "gradient all-reduce from rank 0 (stage 0), and no rank reported an error. Rank 0 (stage 0), pid "
+        f"{os.getpid()}, is still running. Elsewhere on this host: Rank 1 (stage 1), pid {frozen.pid}, is stopped "
+        "(SIGSTOP"
+    ), message
