@@ -8,7 +8,7 @@ decide the peak), ``--batch`` 1,024 samples of 256 features a step; or a Hugging
 width 128, 64 tokens, labels into the model) with AdamW (foreach, as a GPU runs it), 16 samples a step. Each
 case runs ``AutoPartitionStrategy(num_stages=2, micro_batches=M, schedule=S, profile="estimate")`` under
 Lightning's launcher (2 CPU processes). Measured: each rank's peak tensor bytes over training batches 2-4
-(``tests.census.StepPeak``: the stage's parameters, gradients and optimizer state, the batch and
+(``tests.step_peak.StepPeak``: the stage's parameters, gradients and optimizer state, the batch and
 torch.distributed.pipelining's receive buffers at the step's start, plus every storage the step creates).
 Predicted: the plan's ``memory_bytes`` of the rank's stage, summed over its chunks under Interleaved1F1B
 (``--parts``: its parts too). Prints one row per rank
@@ -63,7 +63,7 @@ def _rank(
 
     sys.path.insert(0, str(ROOT))
     from lightning_autopart import AutoPartitionStrategy
-    from tests.census import StepPeak, stage_buffers
+    from tests.step_peak import StepPeak, stage_buffers
 
     warnings.filterwarnings("ignore")
     if spec:  # the spec a CPU job's estimate prices (the strategy's default is a GPU's: its kernels and lists)

@@ -112,7 +112,7 @@ def _pipelined(case: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_autopart.lightning.strategy import AutoPartitionStrategy
     from lightning_autopart.runtime.topology import place
-    from tests.census import StepPeak, stage_buffers
+    from tests.step_peak import StepPeak, stage_buffers
 
     if case.get("spec"):  # the spec a CPU job's estimate prices (the strategy's default is a GPU's)
         import lightning_autopart.lightning.first_batch as first_batch

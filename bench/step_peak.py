@@ -12,7 +12,7 @@ feed-forward sizes), every dropout off, at a batch of 8 with its token sequences
 trains it with a loss on its logits (or last hidden state) and the optimizer run as on a GPU (``foreach=True``;
 the CPU's default loops one tensor at a time). Predicted: ``tests/unit/test_step_peak.predicted_peak`` (one
 device of ``--spec``, planned as the strategy plans, the optimizer measured). Measured: the peak tensor bytes
-of plain Lightning's batches 2 and 3 (``tests.census.StepPeak``: what ``torch.cuda.max_memory_allocated``
+of plain Lightning's batches 2 and 3 (``tests.step_peak.StepPeak``: what ``torch.cuda.max_memory_allocated``
 sees, on any device). Prints a markdown table and the worst ratio; the goal is issue 9's 10% for estimate mode.
 """
 

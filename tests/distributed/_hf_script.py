@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.runtime.topology import place
-from tests.census import StepPeak, stage_buffers
 from tests.distributed.job import end_job
 from tests.distributed.launch import CHILD_HASHSEED
 from tests.hf_cases import STEPS, fit
+from tests.step_peak import StepPeak, stage_buffers
 
 __all__: list[str] = []
 

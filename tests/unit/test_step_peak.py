@@ -30,7 +30,7 @@ from lightning_autopart.lightning.first_batch import optimizer_spec
 from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
 from lightning_autopart.partition import partition
 from lightning_autopart.planner import meta_inputs, profile_model
-from tests.census import StepPeak
+from tests.step_peak import StepPeak
 
 transformers = pytest.importorskip("transformers")
 
