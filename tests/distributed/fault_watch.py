@@ -203,9 +203,7 @@ def watch_job(
     )
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     ranks = {int(r): Exit(**e) for r, e in result["ranks"].items()}
-    fault = out / "fault"
-    fault_at = float(fault.read_text()) if fault.exists() and fault.read_text().strip() else None
-    return Watched(Exit(**result["launcher"]), ranks, (out / "job.log").read_text(errors="replace"), fault_at)
+    return Watched(Exit(**result["launcher"]), ranks, (out / "job.log").read_text(errors="replace"), _fault_at(out))
 
 
 if __name__ == "__main__":
