@@ -10,10 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "ClippedSqrt",
     "Factory",
     "FrozenNorm",
     "GradientTricks",
     "KVCache",
+    "KeptFunctions",
     "ModeBranch",
     "Positional",
     "Reverse",
@@ -154,6 +156,34 @@ class Reverse(torch.autograd.Function):
 class _Reverse(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return Reverse.apply(x)
+
+
+class ClippedSqrt(torch.autograd.Function):
+    """A square root whose gradient is clipped (RecurrentGemma's ``SqrtBoundDerivative``): not the derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.sqrt()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / (4.0 * x).clamp(min=0.25).sqrt()
+
+
+class KeptFunctions(nn.Module):
+    """Custom autograd Functions called from a forward among other operations, as Hugging Face models call
+    them: the capture exports the model and keeps each Function whole, with its own backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = ClippedSqrt.apply(self.a(x).square() + 0.01) * 0.5
+        h = self.b(Reverse.apply(h) + x)
+        return self.c(torch.tanh(h))
 
 
 class _HookedLinear(nn.Linear):

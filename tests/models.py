@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.idioms import Factory, FrozenNorm, GradientTricks, ModeBranch, Positional, Structured, WideResidual
+from tests.idioms import (
+    Factory,
+    FrozenNorm,
+    GradientTricks,
+    KeptFunctions,
+    ModeBranch,
+    Positional,
+    Structured,
+    WideResidual,
+)
 
 __all__ = ["ZOO", "ZooModel", "example", "make"]
 
@@ -321,6 +330,7 @@ ZOO: dict[str, ZooModel] = {
     "wide_residual": ZooModel(WideResidual, _randn(3, 4)),
     "positional": ZooModel(Positional, lambda g: torch.randint(0, 50, (2, 8), generator=g)),
     "gradient_tricks": ZooModel(GradientTricks, _randn(4, 16)),
+    "kept_functions": ZooModel(KeptFunctions, _randn(4, 16)),
     "frozen_norm": ZooModel(FrozenNorm, _randn(4, 16)),
     "mode_branch": ZooModel(ModeBranch, _randn(4, 16)),
 }

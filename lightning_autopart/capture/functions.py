@@ -2,23 +2,27 @@
 
 [Note: custom autograd functions] torch.export (non-strict) records the operations a Function's forward runs
 and drops the Function itself: the captured graph's backward is autograd's derivative of those operations, not
-``Function.backward``. Where the backward is the forward's derivative written by hand (BLOOM's GeLU, which
-saves less for backward), nothing changes. A straight-through estimator, a gradient reversal layer or a
-clipped gradient would train silently wrong, and reentrant activation checkpointing, whose forward runs under
-``no_grad``, left the layers it wraps with no gradient at all. So, while the forward is exported:
+``Function.backward``. A straight-through estimator, a gradient reversal layer or a clipped gradient would
+train silently wrong, and reentrant activation checkpointing, whose forward runs under ``no_grad``, left the
+layers it wraps with no gradient at all. So, while the forward is exported:
 
 - ``torch.utils.checkpoint`` runs its function plainly (both forms). The stages do not recompute what the
   user's forward checkpointed; the plan recomputes whole stages where memory needs it, and a note says so.
-- Every other Function called is checked after the export (:func:`check_function`): on random inputs of the
-  recorded shapes, its backward must equal autograd's derivative of its forward. One that differs, or that
-  cannot be checked, refuses the export, and capture falls back to module hooks, whose blocks call the
-  Function itself at every step.
+- A user's Function called with tensors and constants is kept whole, as one operator with the Function's own
+  backward ([Note: Functions kept whole] in ``kept_functions.py``). After the export, each such call is
+  checked on random inputs of the recorded shapes (:func:`check_kept`): the operator must give the Function's
+  outputs and gradients, and the Function must neither draw random numbers nor write its inputs. A Function
+  that fails is exported again as its operations, as below.
+- Every other Function called (torch's own, or one the operator cannot stand in for) is checked after the
+  export (:func:`check_function`): on random inputs of the recorded shapes, its backward must equal
+  autograd's derivative of its forward. One that differs, or that cannot be checked, refuses the export, and
+  capture falls back to module hooks, whose blocks call the Function itself at every step.
 - The Functions torch generates for custom operators (``torch.library``) are not checked: such an operator
   stays one node of the graph, with its own backward.
-- A Function that passes may still save less for backward than its operations do: BLOOM's GeLU saves its input
-  and recomputes the rest in backward, while the captured stages save the operations' intermediates (7x the
-  bytes there). The check measures both with a saved-tensor hook; capture warns and notes it, with the fix (a
-  custom operator keeps the Function's saving), and the plan prices what the stages save.
+- A Function exported as its operations may still save less for backward than they do (a GeLU that saves its
+  input and recomputes the rest in backward while drawing random numbers): the check measures both with a
+  saved-tensor hook; capture warns and notes it, with the fix (a custom operator keeps the Function's saving),
+  and the plan prices what the stages save.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ import torch.utils.checkpoint as checkpointing
 from torch.autograd import Function
 from torch.utils import _pytree as pytree
 
+from lightning_autopart.capture.kept_functions import apply_original, call_kept, keep, kept_call
 from lightning_autopart.errors import CaptureError
 
-__all__ = ["FunctionCalls", "check_function", "watch_functions"]
+__all__ = ["FunctionCalls", "Unkept", "check_function", "check_kept", "watch_functions"]
 
 #: Inputs larger than this (elements, all tensors of one call) are checked with a batch of one.
 _CHECK_ELEMENTS = 1 << 24
@@ -52,6 +57,8 @@ class FunctionCalls:
         default_factory=dict
     )
     checkpoints: int = 0
+    #: Calls kept whole, by key: their tensor arguments as ``_TensorSpec`` ([Note: Functions kept whole]).
+    kept: dict[str, list[Any]] = field(default_factory=dict)
     #: Functions kept as their operations that save more for backward than the Function: (name, bytes the
     #: Function saves, bytes its operations save), on the checked inputs.
     heavier: list[tuple[str, int, int]] = field(default_factory=list)
@@ -67,8 +74,15 @@ class FunctionCalls:
         ]
 
     def notes(self) -> list[str]:
-        """What the user should know of the capture: Functions that saved less, checkpointing not kept."""
-        notes = self.memory_notes()
+        """What the user should know of the capture: Functions kept whole or that saved less, checkpointing
+        not kept."""
+        kept = dict.fromkeys(kept_call(key).function.__qualname__ for key in self.kept)
+        notes = [
+            f"the autograd.Function {name} runs whole in the captured stages, with its own backward, which "
+            "runs its forward again from its saved inputs"
+            for name in kept
+        ]
+        notes += self.memory_notes()
         if self.checkpoints:
             notes.append(
                 f"the forward's activation checkpointing (torch.utils.checkpoint, {self.checkpoints} calls) is "
@@ -89,20 +103,38 @@ class _PlainCheckpoint:
         return function(*args)
 
 
+class Unkept(CaptureError):
+    """Functions the operator cannot stand in for (by class, with the reason): export them as operations."""
+
+    def __init__(self, reasons: dict[type[Function], str]) -> None:
+        self.reasons = reasons
+        super().__init__("; ".join(f"{f.__qualname__}: {why}" for f, why in reasons.items()))
+
+
 @contextmanager
-def watch_functions(cls: str) -> Iterator[FunctionCalls]:
-    """Run the body (an export of ``cls``) with checkpointing plain and custom Function calls recorded; on a
-    normal exit, check each distinct call (see [Note: custom autograd functions])."""
+def watch_functions(
+    cls: str, skip: frozenset[type[Function]] = frozenset(), check: bool = True
+) -> Iterator[FunctionCalls]:
+    """Run the body (an export of ``cls``) with checkpointing plain, a user's Function calls kept whole
+    (but those of the classes in ``skip``) and other Function calls recorded; on a normal exit and with
+    ``check``, check each distinct call (see [Note: custom autograd functions]). Raises :class:`Unkept` for
+    the kept Functions the operator cannot stand in for, so that the caller exports again without them."""
     found = FunctionCalls()
     apply = Function.__dict__["apply"]
 
     def recording_apply(function: type[Function], *args: Any, **kwargs: Any) -> Any:
+        if not function.__module__.startswith("torch") and function not in skip:
+            kept = keep(function, args, kwargs)
+            if kept is not None:
+                key, tensors = kept
+                found.kept.setdefault(key, [_describe(t) for t in tensors])
+                return call_kept(key, tensors)
         if not function.__module__.startswith("torch._library"):  # custom ops keep their own backward
             leaves, spec = pytree.tree_flatten((args, kwargs))
             described = [_describe(leaf) for leaf in leaves]
             values = tuple(d if isinstance(d, (_TensorSpec, *_SCALARS)) else id(d) for d in described)
             found.calls.setdefault((function, values), (function, described, spec))
-        return apply.__func__(function, *args, **kwargs)
+        return apply_original(function, *args, **kwargs)
 
     def plain_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
         found.checkpoints += 1  # checkpoint() runs the function itself between two next()
@@ -123,6 +155,15 @@ def watch_functions(cls: str) -> Iterator[FunctionCalls]:
         Function.apply = apply  # type: ignore[method-assign]
         for name, original in originals.items():
             setattr(checkpointing, name, original)
+    if not check:
+        return
+    unkept: dict[type[Function], str] = {}
+    for key, described in found.kept.items():
+        reason = check_kept(key, described)
+        if reason:
+            unkept.setdefault(kept_call(key).function, reason)
+    if unkept:
+        raise Unkept(unkept)
     for function, described, spec in found.calls.values():
         reason = check_function(function, described, spec, found)
         if reason:
@@ -130,6 +171,61 @@ def watch_functions(cls: str) -> Iterator[FunctionCalls]:
                 f"{cls}.forward calls the autograd.Function {function.__qualname__}, whose backward "
                 f"torch.export would drop ({reason}); module hooks run it as written"
             )
+
+
+def check_kept(key: str, described: list[Any]) -> str:
+    """Why the operator cannot stand in for the kept call ``key`` ("" where it can), on random tensors shaped
+    as ``described``: the Function draws random numbers or writes an input, or the operator's outputs or
+    gradients differ from the Function's ([Note: Functions kept whole])."""
+    call = kept_call(key)
+    full = call.fill(described)
+    cuda = sorted({d.device.index or 0 for d in described if d.device.type == "cuda"})
+    drew: list[str] = []
+
+    def plain(*args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        versions, state = [t._version for t in tensors], _generator_states(cuda)
+        out = apply_original(call.function, *args, **kwargs)
+        if any(not torch.equal(a, b) for a, b in zip(state, _generator_states(cuda), strict=True)):
+            drew.append("it draws random numbers, which its backward's second run would draw again")
+        elif [t._version for t in tensors] != versions:
+            drew.append("it writes its inputs in place")
+        return out
+
+    def through(*args: Any, **kwargs: Any) -> Any:
+        return call_kept(key, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            want, want_inputs = _run(plain, full, call.spec, cuda)
+            if drew:
+                return drew[0]
+            got, got_inputs = _run(through, full, call.spec, cuda)
+            if len(want) != len(got) or any(not _close(w, g) for w, g in zip(want, got, strict=True)):
+                return "its outputs through one operator differ from its own"
+            keep_ = [k for k, o in enumerate(want) if o.requires_grad and got[k].requires_grad]
+            if want_inputs and keep_:
+                generator = torch.Generator().manual_seed(1)
+                cotangents = [torch.randn(want[k].shape, generator=generator, device="cpu").to(want[k]) for k in keep_]
+                grads_want = _grads([want[k] for k in keep_], want_inputs, cotangents)
+                grads_got = _grads([got[k] for k in keep_], got_inputs, cotangents)
+                if any(not _close(w, g) for w, g in zip(grads_want, grads_got, strict=True)):
+                    return "its gradients through one operator differ from its own"
+    except Exception as error:
+        return f"it could not be checked as one operator: {type(error).__name__}: {_first_line(error)}"
+    return ""
+
+
+def _generator_states(cuda: list[int]) -> list[torch.Tensor]:
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in cuda)]
+
+
+def _close(want: torch.Tensor, got: torch.Tensor) -> bool:
+    tolerance = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    scale = max(1.0, float(want.detach().abs().max())) if want.numel() else 1.0
+    return want.shape == got.shape and torch.allclose(
+        want.detach().float(), got.detach().float(), tolerance, tolerance * scale, equal_nan=True
+    )
 
 
 def check_function(
@@ -158,7 +254,7 @@ def check_function(
     if not custom_inputs or not keep:
         return ""
     generator = torch.Generator().manual_seed(1)
-    cotangents = [torch.randn(custom[k].shape, generator=generator).to(custom[k]) for k in keep]
+    cotangents = [torch.randn(custom[k].shape, generator=generator, device="cpu").to(custom[k]) for k in keep]
     try:
         want = _grads([custom[k] for k in keep], custom_inputs, cotangents)
         got = _grads([inlined[k] for k in keep], inlined_inputs, cotangents)
@@ -215,7 +311,7 @@ def _run(
         shape = (1, *d.shape[1:]) if shrink and d.shape else d.shape
         device = torch.device("cpu") if d.device.type == "meta" else d.device
         if d.dtype.is_floating_point:
-            t = torch.randn(shape, generator=generator).to(device=device, dtype=d.dtype)
+            t = torch.randn(shape, generator=generator, device="cpu").to(device=device, dtype=d.dtype)
             if d.requires_grad:
                 t = t.requires_grad_().clone()  # not a leaf, so a forward may write it in place
                 inputs.append(t)

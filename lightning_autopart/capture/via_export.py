@@ -27,7 +27,7 @@ from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.attributes import watch_attributes
 from lightning_autopart.capture.backward_hooks import TensorHooks, backward_hooked, record_tensor_hooks
 from lightning_autopart.capture.causal import fold_causal_masks
-from lightning_autopart.capture.functions import watch_functions
+from lightning_autopart.capture.functions import Unkept, watch_functions
 from lightning_autopart.capture.glue import first_line
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
 from lightning_autopart.capture.host_random import watch_host_random
@@ -67,15 +67,21 @@ def capture_export(
             "module hooks run them"
         )
     # See [Note: host random numbers], [Note: Python state in the forward], [Note: custom autograd functions].
-    with (
-        _quiet(),
-        flat_forward(module, found),
-        watch_host_random(module, cls),
-        watch_attributes(module, cls),
-        watch_functions(cls) as functions,
-        record_tensor_hooks(module) as hook_owners,
-    ):
-        ep = torch.export.export(module, args, kwargs, strict=False)
+    skip: frozenset[Any] = frozenset()
+    while True:
+        try:
+            with (
+                _quiet(),
+                flat_forward(module, found),
+                watch_host_random(module, cls),
+                watch_attributes(module, cls),
+                watch_functions(cls, skip) as functions,
+                record_tensor_hooks(module) as hook_owners,
+            ):
+                ep = torch.export.export(module, args, kwargs, strict=False)
+            break
+        except Unkept as unkept:  # exported again, those Functions as their operations
+            skip |= frozenset(unkept.reasons)
     if hook_owners:
         owners = list(dict.fromkeys(hook_owners))
         raise TensorHooks(
@@ -141,7 +147,7 @@ def capture_export(
         return captured
 
     def export_again() -> Any:
-        with _quiet(), flat_forward(module, []):
+        with _quiet(), flat_forward(module, []), watch_functions(cls, skip, check=False):
             return torch.export.export(module, args, kwargs, strict=False)
 
     train = (user_inputs, interface, model_outputs, nodes_of)

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from lightning_autopart.capture.kept_functions import modes_inside
+
 __all__: list[str] = []
 
 _T = torch.Tensor
@@ -114,6 +116,8 @@ _LISTS: dict[str, tuple[frozenset[Any], frozenset[Any], frozenset[Any], frozense
 }
 
 _LOW_SOURCES = frozenset({torch.float32})
+#: The operator a kept autograd Function runs as ([Note: Functions kept whole]).
+_KEPT = torch.ops.autopart.function_call
 _FP32_SOURCES = frozenset({torch.bfloat16, torch.float16})
 
 
@@ -138,6 +142,9 @@ class MetaAutocast(TorchFunctionMode):
             args, kwargs = tree_map(lambda x: self._cast(x, _FP32_SOURCES, torch.float32), (args, kwargs))
         elif func is F.cross_entropy and self._cuda:
             return _cross_entropy(*args, **kwargs)
+        elif packet is _KEPT:  # a Function kept whole: its own operations are autocast too
+            with modes_inside(self):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _cast(self, x: Any, sources: frozenset[torch.dtype], dtype: torch.dtype) -> Any:

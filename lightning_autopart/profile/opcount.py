@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from lightning_autopart.capture.kept_functions import run_whole
 from lightning_autopart.devices import DeviceSpec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.profile.gemms import CONVOLUTIONS, GROUPED, Gemm, gemms_of, relayout_bytes
 from lightning_autopart.profile.norm_passes import reread_bytes
@@ -366,10 +367,12 @@ class OpCounter(TorchDispatchMode):
         formula = flop_formula(packet)
         out: Any = NotImplemented
         if formula is None and packet not in _NO_KERNEL:
+            # a kept autograd Function's math is its forward's operations ([Note: Functions kept whole])
+            expand = run_whole if packet is torch.ops.autopart.function_call else func.decompose
             self._depth += 1
             try:
                 with self:
-                    out = func.decompose(*args, **kwargs)
+                    out = expand(*args, **kwargs)
             finally:
                 self._depth -= 1
         if out is NotImplemented:

@@ -51,6 +51,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "mlp", "stages": 2, "precision": "16-mixed", "scale": 2.0**40},
             # a custom autograd Function, a tensor hook and a backward hook: module hooks run them in the stages
             {"model": "gradient_tricks", "stages": 2},
+            # custom autograd Functions among other operations: exported, each kept whole with its backward
+            {"model": "kept_functions", "stages": 2},
             # a batch norm frozen in a forward: the stages must keep its eval() call
             {"model": "frozen_norm", "stages": 2},
         ],

@@ -1,18 +1,21 @@
 """Custom autograd Functions keep their backward, and activation checkpointing its gradients, in a capture
-([Note: custom autograd functions] in lightning_autopart/capture/functions.py)."""
+([Note: custom autograd functions] in lightning_autopart/capture/functions.py, [Note: Functions kept whole]
+in kept_functions.py)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.utils.checkpoint as checkpointing
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autopart.capture import capture
 from tests.eager import assert_grads_equal_eager
-from tests.idioms import Reverse
+from tests.idioms import KeptFunctions, Reverse
 
 
 class StraightThrough(torch.autograd.Function):
@@ -69,43 +72,169 @@ class Applies(nn.Module):
         return self.function.apply(x)
 
 
+def _kept(captured: Any) -> list[str]:
+    """The Functions the captured graph calls whole ([Note: Functions kept whole])."""
+    graph = captured.split_graph.graph if captured.split_graph is not None else None
+    assert graph is not None
+    found = []
+    for module in captured.split_graph.modules():
+        for node in getattr(module, "graph", graph).nodes:
+            if node.op == "call_function" and node.target is torch.ops.autopart.function_call.default:
+                found.append(node.args[0].split("/")[0].rsplit(".", 1)[-1])
+    return found
+
+
 @pytest.mark.parametrize("function", [Reverse, StraightThrough])
-def test_a_function_whose_backward_is_not_the_derivative_keeps_it(function: type) -> None:
+def test_a_function_whose_backward_is_not_the_derivative_runs_whole(function: type) -> None:
+    """torch.export would differentiate the forward's operations; the Function runs whole instead."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Applies(function), nn.Linear(4, 2))
     x = torch.randn(3, 4)
     captured = capture(model, x)
-    assert captured.method == "modules"  # torch.export would differentiate the forward's operations instead
-    assert any(function.__name__ in n and "not the derivative" in n for n in captured.notes), captured.notes
+    assert captured.method == "export" and _kept(captured) == [function.__name__]
+    assert any(function.__name__ in n and "runs whole" in n for n in captured.notes), captured.notes
     assert_grads_equal_eager(model, captured, x)
     assert torch.autograd.Function.__dict__["apply"].__func__.__qualname__ == "Function.apply"  # put back
 
 
-def test_a_function_is_checked_on_meta_inputs_too() -> None:
+def test_a_function_is_kept_whole_on_meta_inputs_too() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), Applies(Reverse), nn.Linear(4, 2))
         x = torch.randn(3, 4)
-    assert capture(model, x).method == "modules"
+    captured = capture(model, x)
+    assert captured.method == "export" and _kept(captured) == ["Reverse"]
 
 
-def test_a_hand_written_derivative_is_exported() -> None:
+def test_a_hand_written_derivative_runs_whole() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Applies(Square), nn.Linear(4, 2))
     x = torch.randn(3, 4)
     captured = capture(model, x)
-    assert captured.method == "export" and captured.notes == ()
+    assert captured.method == "export" and _kept(captured) == ["Square"]
     assert_grads_equal_eager(model, captured, x)
 
 
-def test_a_function_that_saves_less_than_its_operations_is_exported_with_a_note() -> None:
+def _saved_bytes(run: Any) -> int:
+    """Bytes of the tensors autograd saves for backward while ``run()`` runs."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total
+
+
+def test_a_function_that_saves_less_than_its_operations_keeps_its_saving() -> None:
+    """BLOOM's GeLU saves its input alone; exported as its operations, the stages held 7x the bytes."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), Applies(TanhGelu), nn.Linear(256, 8))
     x = torch.randn(16, 64)
-    with pytest.warns(UserWarning, match=r"Function TanhGelu saves less .* hold 7.0x the bytes") as warned:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of: the stages save what eager training saves
         captured = capture(model, x)
-    assert captured.method == "export"
+    assert captured.method == "export" and _kept(captured) == ["TanhGelu"]
     assert_grads_equal_eager(model, captured, x)
-    assert captured.notes == (str(warned[0].message),) and "torch.library.custom_op" in captured.notes[0]
+    eager = _saved_bytes(lambda: model(x))
+    assert eager == _saved_bytes(lambda: captured.split_graph(x))  # type: ignore[misc]
+
+
+class Noisy(torch.autograd.Function):
+    """Scales by a random mask it draws (a hand-written dropout): a second run in backward would draw another."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        mask = (torch.rand_like(x) > 0.5).to(x.dtype) * 2.0
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (mask,) = ctx.saved_tensors
+        return grad * mask
+
+
+class Doubled(torch.autograd.Function):
+    """Doubles its input in place (``mark_dirty``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        return x.mul_(2.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2.0
+
+
+class _DoubledAfter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Doubled.apply(x * 1.0)
+
+
+@pytest.mark.parametrize("function", [Noisy, Doubled])
+def test_a_function_one_operator_cannot_stand_in_for_is_exported_as_its_operations(function: type) -> None:
+    """One that draws random numbers or writes its input is checked as before (its derivative is right)."""
+    torch.manual_seed(0)
+    inner = Applies(Noisy) if function is Noisy else _DoubledAfter()
+    model = nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 2))
+    captured = capture(model, torch.randn(3, 4))
+    assert captured.method == "export" and _kept(captured) == []
+    assert not any("runs whole" in n for n in captured.notes), captured.notes
+
+
+class Scaled(torch.autograd.Function):
+    """Two outputs from a tensor, a weight and a constant, with a product autocast lowers and a clipped
+    gradient (as a quantizer's scale)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x, w)
+        ctx.scale = scale
+        y = x @ w
+        return y * scale, y.relu()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")  # the backward runs under the forward's autocast
+    def backward(ctx: Any, g1: torch.Tensor, g2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w = ctx.saved_tensors
+        g = (g1 * ctx.scale + g2 * ((x @ w) > 0)).clamp(-0.5, 0.5)
+        return g @ w.t(), x.t() @ g, None
+
+
+class _Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = Scaled.apply(x, self.w, 0.5)
+        return a + b
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_kept_function_with_weights_constants_and_outputs_trains_as_eagerly(autocast: bool) -> None:
+    """Its backward runs its forward again under the autocast its forward ran in (bfloat16 on the CPU)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Quantized(), nn.Linear(8, 2))
+    x = torch.randn(5, 8)
+    captured = capture(model, x)
+    assert captured.method == "export" and _kept(captured) == ["Scaled"]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        eager_out = model(x)
+        got_out = captured.split_graph(x)[0]  # type: ignore[misc]
+    assert got_out.dtype == eager_out.dtype
+    eager_out.float().square().sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got_out.float().square().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, eager[name], msg=name)
 
 
 def test_checking_a_function_leaves_the_random_generators_as_they_were() -> None:
@@ -164,3 +293,65 @@ def test_hugging_face_reentrant_gradient_checkpointing_trains_every_parameter() 
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, eager[name], msg=name)
+
+
+def test_estimate_mode_counts_a_kept_function_s_own_operations() -> None:
+    """The operator runs the Function's forward, whose product the counter sees: no custom op priced blind."""
+    from lightning_autopart.planner import profile_model
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), _Quantized(), nn.Linear(8, 2))
+        x = torch.randn(5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "custom ops with no FLOP formula" warning
+        prof = profile_model(model, ((x,), {}), spec="h100")
+    assert "opaque_ops" not in prof.meta
+    assert [b.fwd_flops for b in prof.blocks] == [2 * 5 * 8 * 8, 2 * 5 * 8 * 8, 2 * 5 * 8 * 2]
+
+
+class _Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_kept_function_that_returns_a_view_of_its_input_runs_under_a_dispatch_mode() -> None:
+    """Below autograd a view is not marked as one: the operator tells its outputs' aliases by their storage
+    (the profiler's and the tests' memory counters are dispatch modes)."""
+    torch.manual_seed(0)
+    model = KeptFunctions()
+    x = torch.randn(4, 16)
+    captured = capture(model, x)
+    assert captured.method == "export" and sorted(_kept(captured)) == ["ClippedSqrt", "Reverse"]
+    model(x).square().sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with _Passing():
+        got = captured.split_graph(x)[0]  # type: ignore[misc]
+        got.square().sum().backward()
+    torch.testing.assert_close(got, model(x))
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, eager[name], msg=name)
+
+
+def test_a_kept_function_s_products_are_lowered_by_autocast_on_meta() -> None:
+    """Estimate mode's autocast on meta is a function mode, off while it handles the operator: the operator
+    enters it again, so the Function's product runs in bfloat16 as under torch's autocast."""
+    from lightning_autopart.profile.autocast_meta import MetaAutocast
+
+    def kept_block(device: str) -> Any:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = nn.Sequential(nn.Linear(8, 8), _Quantized(), nn.Linear(8, 2))
+            return capture(model, torch.randn(5, 8)).blocks[1].program
+
+    on_cpu, on_meta = kept_block("cpu"), kept_block("meta")
+    x = torch.randn(5, 8, requires_grad=True)  # float32: only a lowered product gives bfloat16 outputs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = on_cpu(x)[0]
+    meta = x.detach().to("meta").requires_grad_()
+    with MetaAutocast(torch.bfloat16, "cpu"):
+        got = on_meta(meta)[0]
+    assert got.dtype == want.dtype == torch.bfloat16
+    got.float().sum().backward()  # the backward's second forward runs under it too
+    assert meta.grad is not None and meta.grad.shape == x.shape
