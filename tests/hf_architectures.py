@@ -61,6 +61,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "bloom": Architecture("BloomConfig", "BloomForCausalLM", {
         "hidden_size": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64,
     }, _TOKENS),
+    # autograd Functions kept whole ([Note: Functions kept whole]): a clipped square root's gradient, and a
+    # mixture of experts whose router's multiplier has its own backward
+    "recurrent_gemma": Architecture("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {
+        **SMALL, "num_hidden_layers": 3, "num_key_value_heads": 1, "head_dim": 8, "lru_width": 32,
+        "attention_window_size": 16, "block_types": ["recurrent", "attention", "recurrent"],
+    }, _TOKENS),
+    "phimoe": Architecture("PhimoeConfig", "PhimoeForCausalLM", {
+        **SMALL, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+    }, _TOKENS),
     "gptj": Architecture("GPTJConfig", "GPTJForCausalLM", {
         "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32, "rotary_dim": 4,
     }, _TOKENS),

@@ -62,6 +62,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "t5": ("encoder.block", "decoder.block"),
     "vit": ("vit.layers", "vit.encoder.layer"),  # transformers 5 / 4 spell it differently
     "gemma3": ("model.layers",),
+    "recurrent_gemma": ("model.layers",),
     "vitmae": ("vit.layers", "vit.encoder.layer", "decoder.decoder_layers"),
 }
 
@@ -114,6 +115,11 @@ def config(name: str) -> transformers.PretrainedConfig:
         return transformers.MistralConfig(**_DECODER, sliding_window=SEQ // 2)
     if name == "mixtral":  # a mixture of experts: each token's top 2 of 4 experts, routed by its values
         return transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    if name == "recurrent_gemma":  # an autograd Function clips a square root's gradient: kept whole
+        return transformers.RecurrentGemmaConfig(
+            **{k: v for k, v in _DECODER.items() if k != "num_key_value_heads"}, num_key_value_heads=1,
+            head_dim=8, lru_width=32, attention_window_size=SEQ, block_types=["recurrent", "attention"],
+        )
     if name == "gemma3":  # rotary tables computed in a loop over set(layer_types): see test_hf_pipeline
         return transformers.Gemma3TextConfig(
             **_DECODER, head_dim=8, sliding_window=SEQ // 2, layer_types=["sliding_attention", "full_attention"]
@@ -179,6 +185,7 @@ def build(name: str) -> nn.Module:
         "mistral": transformers.MistralForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "recurrent_gemma": transformers.RecurrentGemmaForCausalLM,
         "bert": transformers.BertForSequenceClassification,
         "t5": transformers.T5ForConditionalGeneration,
         "vit": transformers.ViTForImageClassification,
@@ -287,6 +294,7 @@ _LITS: dict[tuple[str, str], type[HFModule]] = {
     ("mistral", "labels"): CausalLM,
     ("mixtral", "labels"): CausalLM,
     ("gemma3", "labels"): CausalLM,
+    ("recurrent_gemma", "labels"): CausalLM,
     ("bert", "labels"): SequenceClassifier,
     ("t5", "labels"): Seq2SeqLM,
     ("vit", "labels"): ImageClassifier,
@@ -316,7 +324,7 @@ class DictDataset(Dataset[dict[str, Tensor]]):
 def dataset(name: str, n: int, seed: int = 1) -> DictDataset:
     """``n`` deterministic samples for model ``name``, as the dicts HF models take as keyword arguments."""
     g = torch.Generator().manual_seed(seed)
-    if name in ("gpt2", "llama", "mistral", "mixtral", "gemma3"):
+    if name in ("gpt2", "llama", "mistral", "mixtral", "gemma3", "recurrent_gemma"):
         ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
         return DictDataset(input_ids=ids, labels=ids.clone())
     if name == "bert":

@@ -49,6 +49,8 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
         {"model": "gemma3", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4},
         # the images pass through every stage to the loss: held as received ([Note: pipeline buffers])
         {"model": "vitmae", "stages": 2, "schedule": "1F1B", "optimizer": "sgd"},
+        # an autograd Function with its own backward, kept whole in the stages ([Note: Functions kept whole])
+        {"model": "recurrent_gemma", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
     ],
     4: [
         # with 2 replicas per stage; the 2-rank launch covers each model and schedule with one

@@ -1,8 +1,9 @@
 """Hugging Face models, captured, train as they do eagerly: one backward through the exported graph gives
 every parameter the gradient eager training gives (model code nobody here wrote; dropout off, so both runs
-are deterministic), also with Hugging Face's reentrant activation checkpointing. Custom autograd Functions
-(BLOOM's GeLU), checkpointing, tied embeddings, shared relative-position tables and folded attention masks
-all have to come out right for this to hold."""
+are deterministic, or draw alike from one seed), also with Hugging Face's reentrant activation checkpointing.
+Custom autograd Functions (BLOOM's GeLU, RecurrentGemma's clipped square root, PhiMoE's router), checkpointing,
+tied embeddings, shared relative-position tables and folded attention masks all have to come out right for this
+to hold."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def _check(name: str, checkpointing: bool) -> None:
     x = inputs(name, "cpu")
     captured = capture(model, x)
     assert captured.method == "export" and captured.split_graph is not None
+    torch.manual_seed(1)  # the same draws (PhiMoE's router samples its experts in training)
     _output(model(**x)).float().square().mean().backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
     out = captured.output.rebuild(list(captured.split_graph(*x.values())))
     _output(out).float().square().mean().backward()
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
