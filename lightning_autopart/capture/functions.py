@@ -103,6 +103,12 @@ class _PlainCheckpoint:
         return function(*args)
 
 
+def _torch_own(function: type[Function]) -> bool:
+    """Whether ``function`` is torch's own (not a library's named like it: torchvision, torch_geometric)."""
+    module = function.__module__ or ""
+    return module == "torch" or module.startswith("torch.")
+
+
 class Unkept(CaptureError):
     """Functions the operator cannot stand in for (by class, with the reason): export them as operations."""
 
@@ -123,7 +129,7 @@ def watch_functions(
     apply = Function.__dict__["apply"]
 
     def recording_apply(function: type[Function], *args: Any, **kwargs: Any) -> Any:
-        if not function.__module__.startswith("torch") and function not in skip:
+        if not _torch_own(function) and function not in skip:
             kept = keep(function, args, kwargs)
             if kept is not None:
                 key, tensors = kept

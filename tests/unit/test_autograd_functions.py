@@ -355,3 +355,12 @@ def test_a_kept_function_s_products_are_lowered_by_autocast_on_meta() -> None:
     assert got.dtype == want.dtype == torch.bfloat16
     got.float().sum().backward()  # the backward's second forward runs under it too
     assert meta.grad is not None and meta.grad.shape == x.shape
+
+
+def test_a_library_s_function_named_like_torch_is_kept_whole() -> None:
+    """torch's own Functions are left to torch.export; a library whose name starts with "torch" is a user's."""
+    library = type("Library", (StraightThrough,), {"__module__": "torchvision.ops.quantize"})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Applies(library), nn.Linear(4, 2))
+    captured = capture(model, torch.randn(3, 4))
+    assert captured.method == "export" and _kept(captured) == ["Library"]
