@@ -16,8 +16,9 @@ of the operator ``autopart::function_call(key, tensors)``:
   forward and backward is its inputs (what a Function that saves its input holds), at the cost of its forward
   once more in backward (for the elementwise Functions models carry, a small part of a step).
 
-``key`` names the Function and the constants of its call (:data:`_CALLS`, filled when a forward is exported,
-in every process that captures the model). A Function the operator cannot stand in for (one that draws random
+``key`` names the Function (with the order its class was met in, for a class defined again under the same
+name) and the constants of its call (:data:`_CALLS`, filled when a forward is exported, in every process that
+captures the model). A Function the operator cannot stand in for (one that draws random
 numbers, which the backward's run would draw again; one that writes its inputs; one whose outputs through the
 operator differ) is found by :func:`lightning_autopart.capture.functions.check_kept` after the export and
 exported again as before ([Note: custom autograd functions] in ``functions.py``).
@@ -61,10 +62,10 @@ class KeptCall:
     """One Function with the constants of one call: what the operator's key stands for."""
 
     function: type[Function]
-    #: The call's ``(args, kwargs)`` leaves, ``None`` where a tensor goes, and their structure.
+    #: The call's ``(args, kwargs)`` leaves, a marker where a tensor goes, and their structure.
     leaves: tuple[Any, ...]
     spec: pytree.TreeSpec
-    #: The outputs' structure and their constant leaves (``None`` where a tensor is), once the call ran.
+    #: The outputs' structure and their constant leaves (the marker where a tensor is), once the call ran.
     outputs: tuple[pytree.TreeSpec, tuple[Any, ...]] | None = field(default=None)
 
     def fill(self, values: list[Any]) -> list[Any]:
@@ -95,6 +96,8 @@ class _Tensor:
 _TENSOR = _Tensor()
 #: Every kept call by key ([Note: Functions kept whole]).
 _CALLS: dict[str, KeptCall] = {}
+#: The Function classes met under each module-qualified name, in the order met.
+_CLASSES: dict[str, list[type[Function]]] = {}
 
 
 def keep(function: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, list[Tensor]] | None:
@@ -106,7 +109,12 @@ def keep(function: type[Function], args: tuple[Any, ...], kwargs: dict[str, Any]
         return None
     marked = tuple(_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in leaves)
     text = repr((marked, spec, [(t.dtype, t.dim()) for t in tensors]))
-    key = f"{function.__module__}.{function.__qualname__}/{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+    name = f"{function.__module__}.{function.__qualname__}"
+    # a class defined again under the same name (a notebook cell run twice) is another Function
+    named = _CLASSES.setdefault(name, [])
+    if function not in named:
+        named.append(function)
+    key = f"{name}#{named.index(function)}/{hashlib.sha1(text.encode()).hexdigest()[:16]}"
     _CALLS.setdefault(key, KeptCall(function, marked, spec))
     return key, tensors
 

@@ -80,7 +80,7 @@ def _kept(captured: Any) -> list[str]:
     for module in captured.split_graph.modules():
         for node in getattr(module, "graph", graph).nodes:
             if node.op == "call_function" and node.target is torch.ops.autopart.function_call.default:
-                found.append(node.args[0].split("/")[0].rsplit(".", 1)[-1])
+                found.append(node.args[0].split("#")[0].rsplit(".", 1)[-1])
     return found
 
 
@@ -364,3 +364,29 @@ def test_a_library_s_function_named_like_torch_is_kept_whole() -> None:
     model = nn.Sequential(nn.Linear(4, 4), Applies(library), nn.Linear(4, 2))
     captured = capture(model, torch.randn(3, 4))
     assert captured.method == "export" and _kept(captured) == ["Library"]
+
+
+def test_a_function_defined_again_under_its_name_runs_its_new_code() -> None:
+    """A notebook cell run again defines another class under the same name: its capture calls the new one."""
+
+    def define(sign: float) -> type:
+        class Flip(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                return x * 1.0
+
+            @staticmethod
+            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+                return grad * sign
+
+        return Flip
+
+    x, grads = torch.randn(3, 4), []
+    for sign in (1.0, -1.0):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), Applies(define(sign)))
+        captured = capture(model, x)
+        assert _kept(captured) == ["Flip"]
+        captured.split_graph(x)[0].sum().backward()  # type: ignore[misc]
+        grads.append(model[0].weight.grad)
+    torch.testing.assert_close(grads[1], -grads[0])
