@@ -1,9 +1,12 @@
-"""Capture's checks on a GPU: custom autograd Functions are checked on CUDA inputs, and checking one leaves
-the CUDA generators as they were ([Note: custom autograd functions]); a stage captured on the CPU and moved
+"""Capture's checks on a GPU: custom autograd Functions are checked on CUDA inputs and kept whole, one captured
+on the CPU trains on the GPU under CUDA's autocast, and checking one leaves the CUDA generators as they were
+([Note: custom autograd functions], [Note: Functions kept whole]); a stage captured on the CPU and moved
 to the GPU runs its evaluation-mode program there ([Note: Python branches on the mode]), and fills masked
 scores under CUDA's autocast as the eager model does ([Note: dtype extremes])."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -24,13 +27,63 @@ pytestmark = [
 ]
 
 
-def test_a_function_on_cuda_is_checked_there() -> None:
+def test_a_function_on_cuda_is_checked_there_and_kept_whole() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Applies(Reverse), nn.Linear(4, 2)).cuda()
     x = torch.randn(3, 4, device="cuda")
     captured = capture(model, x)
-    assert captured.method == "modules"
+    assert captured.method == "export" and any("Reverse runs whole" in n for n in captured.notes)
     assert_grads_equal_eager(model, captured, x)
+
+
+class ClippedProduct(torch.autograd.Function):
+    """A product with a clipped gradient, written for CUDA's autocast (``custom_fwd``/``custom_bwd``)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        grad = grad.clamp(-0.05, 0.05)
+        return grad @ w.t(), x.t() @ grad
+
+
+class _Clipped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ClippedProduct.apply(x, self.w)
+
+
+def test_a_kept_function_captured_on_the_cpu_trains_on_cuda_under_autocast_as_eagerly() -> None:
+    """The operator's backward runs the Function's forward again under the CUDA autocast it ran in
+    ([Note: Functions kept whole])."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), _Clipped(), nn.Linear(8, 2)), torch.randn(5, 8)
+    captured = capture(model, x)  # on the CPU, as the strategy captures before moving
+    assert captured.method == "export"
+    stage = build_stage_module(captured, 0, captured.num_blocks)
+    move_in_place(stage, torch.device("cuda"))
+    x = x.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = model(x)
+    want.float().square().sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = stage(x)[0]
+    assert got.dtype == want.dtype == torch.bfloat16
+    got.float().square().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, eager[name], msg=name)
 
 
 def test_checking_a_function_leaves_the_cuda_generators_as_they_were() -> None:
