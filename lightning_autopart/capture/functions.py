@@ -210,13 +210,8 @@ def check_kept(key: str, described: list[Any]) -> str:
             if len(want) != len(got) or any(not _close(w, g) for w, g in zip(want, got, strict=True)):
                 return "its outputs through one operator differ from its own"
             keep_ = [k for k, o in enumerate(want) if o.requires_grad and got[k].requires_grad]
-            if want_inputs and keep_:
-                generator = torch.Generator().manual_seed(1)
-                cotangents = [torch.randn(want[k].shape, generator=generator, device="cpu").to(want[k]) for k in keep_]
-                grads_want = _grads([want[k] for k in keep_], want_inputs, cotangents)
-                grads_got = _grads([got[k] for k in keep_], got_inputs, cotangents)
-                if any(not _close(w, g) for w, g in zip(grads_want, grads_got, strict=True)):
-                    return "its gradients through one operator differ from its own"
+            if want_inputs and keep_ and not _same_gradients(want, want_inputs, got, got_inputs, keep_):
+                return "its gradients through one operator differ from its own"
     except Exception as error:
         return f"it could not be checked as one operator: {type(error).__name__}: {_first_line(error)}"
     return ""
@@ -226,12 +221,30 @@ def _generator_states(cuda: list[int]) -> list[torch.Tensor]:
     return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in cuda)]
 
 
-def _close(want: torch.Tensor, got: torch.Tensor) -> bool:
-    tolerance = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else 1e-5
+def _close(want: torch.Tensor, got: torch.Tensor, fp32_tolerance: float = 1e-5, equal_nan: bool = True) -> bool:
+    """Equal shapes and values within a tolerance relative to ``want``'s largest value (1e-2 in 16 bits)."""
+    tolerance = 1e-2 if want.dtype in (torch.float16, torch.bfloat16) else fp32_tolerance
     scale = max(1.0, float(want.detach().abs().max())) if want.numel() else 1.0
     return want.shape == got.shape and torch.allclose(
-        want.detach().float(), got.detach().float(), tolerance, tolerance * scale, equal_nan=True
+        want.detach().float(), got.detach().float(), tolerance, tolerance * scale, equal_nan=equal_nan
     )
+
+
+def _same_gradients(
+    want: list[torch.Tensor],
+    want_inputs: list[torch.Tensor],
+    got: list[torch.Tensor],
+    got_inputs: list[torch.Tensor],
+    keep: list[int],
+    fp32_tolerance: float = 1e-5,
+    equal_nan: bool = True,
+) -> bool:
+    """Whether two runs give their inputs the same gradients for the same random cotangents of outputs ``keep``."""
+    generator = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(want[k].shape, generator=generator, device="cpu").to(want[k]) for k in keep]
+    grads_want = _grads([want[k] for k in keep], want_inputs, cotangents)
+    grads_got = _grads([got[k] for k in keep], got_inputs, cotangents)
+    return all(_close(w, g, fp32_tolerance, equal_nan) for w, g in zip(grads_want, grads_got, strict=True))
 
 
 def check_function(
@@ -259,18 +272,12 @@ def check_function(
     keep = [k for k, o in enumerate(custom) if o.requires_grad]
     if not custom_inputs or not keep:
         return ""
-    generator = torch.Generator().manual_seed(1)
-    cotangents = [torch.randn(custom[k].shape, generator=generator, device="cpu").to(custom[k]) for k in keep]
     try:
-        want = _grads([custom[k] for k in keep], custom_inputs, cotangents)
-        got = _grads([inlined[k] for k in keep], inlined_inputs, cotangents)
+        same = _same_gradients(custom, custom_inputs, inlined, inlined_inputs, keep, 1e-4, equal_nan=False)
     except Exception as error:
         return f"its backward could not be checked: {type(error).__name__}: {_first_line(error)}"
-    for w, g in zip(want, got, strict=True):
-        tolerance = 1e-2 if w.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
-        if w.shape != g.shape or not torch.allclose(w.float(), g.float(), tolerance, tolerance * scale):
-            return "its backward is not the derivative of its forward"
+    if not same:
+        return "its backward is not the derivative of its forward"
     few, many = saved_custom.nbytes, saved_inlined.nbytes
     if found is not None and few and many > max(1.25 * few, few + 4096):
         found.heavier.append((function.__qualname__, few, many))

@@ -33,8 +33,8 @@ operator runs, a view is not marked as one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,10 +145,11 @@ def modes_inside(mode: TorchFunctionMode) -> Iterator[None]:
         _MODES.pop()
 
 
-def _under(modes: tuple[TorchFunctionMode, ...]) -> ExitStack:
+def _under(contexts: Iterable[AbstractContextManager[Any]]) -> ExitStack:
+    """All of ``contexts`` entered, in order (left when the stack is)."""
     stack = ExitStack()
-    for mode in modes:
-        stack.enter_context(mode)
+    for context in contexts:
+        stack.enter_context(context)
     return stack
 
 
@@ -157,7 +158,7 @@ def run_whole(key: str, tensors: list[Tensor]) -> list[Tensor]:
     dispatch mode that counts operations calls it to see the Function's own (``profile/opcount.py``)."""
     call = _CALLS[key]
     args, kwargs = call.arguments(tensors)
-    with torch.no_grad(), _under(tuple(_MODES)):
+    with torch.no_grad(), _under(list(_MODES)):
         out = apply_original(call.function, *args, **kwargs)
     leaves, spec = pytree.tree_flatten(out)
     if call.outputs is None:
@@ -200,15 +201,6 @@ def _autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
     )
 
 
-@contextmanager
-def _autocast(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
-    """Autocast on each device type of ``state``, with its dtype."""
-    with ExitStack() as stack:
-        for device, dtype in state:
-            stack.enter_context(torch.autocast(device, dtype))
-        yield
-
-
 def _setup(ctx: Any, inputs: tuple[str, list[Tensor]], output: Any) -> None:
     key, tensors = inputs
     ctx.key = key
@@ -220,7 +212,8 @@ def _setup(ctx: Any, inputs: tuple[str, list[Tensor]], output: Any) -> None:
 
 def _backward(ctx: Any, grads: list[Tensor | None]) -> tuple[None, list[Tensor | None]]:
     call = _CALLS[ctx.key]
-    with torch.enable_grad(), _autocast(ctx.autocast), _under(ctx.modes):
+    autocasts = [torch.autocast(device, dtype) for device, dtype in ctx.autocast]
+    with torch.enable_grad(), _under([*autocasts, *ctx.modes]):
         inputs = [t.detach().requires_grad_(n) for t, n in zip(ctx.saved_tensors, ctx.needs, strict=True)]
         args, kwargs = call.arguments(inputs)
         out = apply_original(call.function, *args, **kwargs)
