@@ -70,6 +70,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phimoe": Architecture("PhimoeConfig", "PhimoeForCausalLM", {
         **SMALL, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
     }, _TOKENS),
+    # a weight clamped through .data in training ([Note: .data in the forward]), per-layer embeddings, AltUp
+    "gemma3n": Architecture("Gemma3nTextConfig", "Gemma3nForCausalLM", {
+        **SMALL, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": [64, 64],
+        "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8, "laurel_rank": 4,
+        "altup_num_inputs": 2, "num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 6, "activation_sparsity_pattern": [0.0, 0.0],
+    }, _TOKENS),
     "gptj": Architecture("GPTJConfig", "GPTJForCausalLM", {
         "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32, "rotary_dim": 4,
     }, _TOKENS),

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from lightning_autopart.capture.data_reads import writes_data
 from lightning_autopart.capture.portable import MODE_ARGS
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -45,9 +46,9 @@ def signature(graph: fx.Graph, training: bool) -> _Signature:
     """The graph's operations in order, each with its module, with what follows the mode at run time made
     equal: mode flags blanked ([Note: modes]), attention's dropout probability blanked where the run-time rule
     (``p`` in training, 0 in evaluation) gives the graph's value, batch norm's batch count and ``contiguous``
-    (a copy the layout of a kernel's output decides) left out, and so are operations no output depends on. An
-    operation's inputs are named by the module that made them, so a branch changes its own module only (and
-    those that read its output)."""
+    (a copy the layout of a kernel's output decides) left out, and so are operations no output depends on (but
+    writes through a ``.data`` read, [Note: .data in the forward]). An operation's inputs are named by the
+    module that made them, so a branch changes its own module only (and those that read its output)."""
     made_by: dict[fx.Node, Any] = {}
     found: _Signature = []
     live = _live(graph)
@@ -76,10 +77,11 @@ def signature(graph: fx.Graph, training: bool) -> _Signature:
 
 
 def _live(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes some output depends on (buffer updates are outputs of an exported graph too)."""
+    """The nodes some output depends on (buffer updates are outputs of an exported graph too), or a write through
+    a ``.data`` read does ([Note: .data in the forward])."""
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     live: set[fx.Node] = set()
-    stack = [out]
+    stack = [out, *(n for n in graph.nodes if writes_data(n))]
     while stack:
         node = stack.pop()
         if node not in live:

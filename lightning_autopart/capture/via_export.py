@@ -27,6 +27,7 @@ from lightning_autopart.capture.assemble import RawBlock, assemble
 from lightning_autopart.capture.attributes import watch_attributes
 from lightning_autopart.capture.backward_hooks import TensorHooks, backward_hooked, record_tensor_hooks
 from lightning_autopart.capture.causal import fold_causal_masks
+from lightning_autopart.capture.data_reads import as_found, trace_data_reads, untie_data_reads
 from lightning_autopart.capture.functions import Unkept, watch_functions
 from lightning_autopart.capture.glue import first_line
 from lightning_autopart.capture.graph import CapturedModel, OutputSpec
@@ -66,7 +67,8 @@ def capture_export(
             f"module {hooked[0]!r} of {cls} has backward hooks, which an exported graph would leave out; "
             "module hooks run them"
         )
-    # See [Note: host random numbers], [Note: Python state in the forward], [Note: custom autograd functions].
+    # See [Note: host random numbers], [Note: Python state in the forward], [Note: custom autograd functions],
+    # [Note: .data in the forward].
     skip: frozenset[Any] = frozenset()
     while True:
         try:
@@ -77,6 +79,7 @@ def capture_export(
                 watch_attributes(module, cls),
                 watch_functions(cls, skip) as functions,
                 record_tensor_hooks(module) as hook_owners,
+                trace_data_reads(),
             ):
                 ep = torch.export.export(module, args, kwargs, strict=False)
             break
@@ -90,6 +93,7 @@ def capture_export(
             "hooks run them",
             owners,
         )
+    reads = untie_data_reads(ep.graph_module)
     trained = signature(ep.graph, training=True) if check_eval else []
     attrs, canonical, user_inputs = lift_inputs(ep, module)
     # Attention given a materialised causal mask runs as is_causal=True, as it does eagerly ([Note: causal masks]).
@@ -112,8 +116,8 @@ def capture_export(
     interface, programs = split_programs(nodes_of, attrs, model_outputs, home, ModeSwitch(module))
     split_graph = top_graph(cls, user_inputs, interface, programs, model_outputs)
     recorder = _Recorder(split_graph)
-    with torch.no_grad(), meta_layouts([*flat, *module.parameters()]):  # [Note: channels-last on meta]
-        recorder.run(*flat)
+    with torch.no_grad(), meta_layouts([*flat, *module.parameters()]), as_found(reads, attrs):
+        recorder.run(*flat)  # [Note: channels-last on meta]
 
     names = _run_names([fqns[b] or cls for b in group_blocks])
     blocks = []
@@ -147,8 +151,10 @@ def capture_export(
         return captured
 
     def export_again() -> Any:
-        with _quiet(), flat_forward(module, []), watch_functions(cls, skip, check=False):
-            return torch.export.export(module, args, kwargs, strict=False)
+        with _quiet(), flat_forward(module, []), watch_functions(cls, skip, check=False), trace_data_reads():
+            again = torch.export.export(module, args, kwargs, strict=False)
+        untie_data_reads(again.graph_module)
+        return again
 
     train = (user_inputs, interface, model_outputs, nodes_of)
     return _follow_eval(captured, trained, export_again, train, home)

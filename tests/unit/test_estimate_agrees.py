@@ -23,7 +23,7 @@ from tests import hf_architectures, hf_cases
 KNOWN: dict[tuple[str, str], str] = {  # (model, field) -> why estimate and measure may differ there
     (name, field): "grouped key/value heads in float32: a GPU runs the math path (memory-efficient attention "
     "takes no grouped heads), which keeps the scores; the CPU runs flash ([Note: grouped heads])"
-    for name in ("llama", "mixtral", "qwen2", "qwen3", "gemma", "recurrent_gemma", "phimoe")
+    for name in ("llama", "mixtral", "qwen2", "qwen3", "gemma", "recurrent_gemma", "phimoe", "gemma3n")
     for field in ("bwd_flops", "activation_bytes")
 }
 
