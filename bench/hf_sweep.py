@@ -1,12 +1,14 @@
 """Estimate mode on Hugging Face architectures beyond the test tier: planned from meta, and checked against a
 measured CPU run of the same capture.
 
-Usage: ``python bench/hf_sweep.py [NAME ...]`` (default: every architecture below). One process on the CPU,
+Usage: ``python bench/hf_sweep.py [NAME ...]`` (default: every architecture below and the 95 of
+``bench/hf_more.py``; about 8 minutes on two cores). One process on the CPU,
 configs only (random weights, nothing downloaded), every dropout off. Per architecture it prints whether a
 model built on ``meta`` is planned in estimate mode (2 x H100, batch 16, 2 stages, AdamW). Then, for one
 capture of a model built on the CPU, it prints whether estimate mode and measure mode count the same forward
 and backward FLOPs, saved bytes and backward transient block by block (as tests/unit/test_estimate_agrees.py
-does for the tier's models), with the first differing blocks.
+does for the tier's models), with the first differing blocks; and whether one backward through the exported
+graph gives every parameter eager's gradient (tests/unit/test_hf_gradients.py's check).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.hf_more import MORE
 from lightning_autopart import Cluster, plan_model
 from lightning_autopart.capture import capture
 from tests.hf_architectures import ARCHITECTURES, SMALL, Architecture, build, differences, inputs
+from tests.unit.test_hf_gradients import check_gradients
 
 __all__: list[str] = []
 
@@ -137,6 +141,7 @@ SWEEP: dict[str, Architecture] = {
         "num_conv_pos_embedding_groups": 4, "vocab_size": 32,
     }, {"input_values": (4, 400)}),
 }  # fmt: skip
+SWEEP.update(MORE)
 
 
 def _check(arch: Architecture) -> str:
@@ -154,6 +159,11 @@ def _check(arch: Architecture) -> str:
         said += f"; DIFFER: {first}" if differ else "; estimate agrees with measure"
     except Exception as error:
         said += f"; NOT profiled on the CPU: {type(error).__name__}: {str(error)[:300]}"
+    try:
+        check_gradients(arch, checkpointing=False)
+        said += "; captured gradients equal eager ones"
+    except Exception as error:  # an AssertionError names the parameter whose gradient differs
+        said += f"; GRADIENTS: {type(error).__name__}: {str(error)[:300]}"
     return said
 
 

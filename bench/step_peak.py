@@ -3,9 +3,10 @@ architecture of ``tests/hf_architectures.py``.
 
 Usage: ``python bench/step_peak.py [--widen 8] [--precisions 32-true bf16-true] [--optimizer adamw]
 [--archs qwen3 bart ...] [--sweep] [--spec h100|cpu]`` (about 3 minutes for all, on two cores). ``--sweep`` runs
-the 38 architectures of ``bench/hf_sweep.py`` instead (models the test tier does not build). ``--spec cpu``
-prices the CPU's own attention kernels and autocast lists, the ones the measurement runs (a GPU's autocast
-keeps ``pow``, softmax and norms in float32; a CPU's does not).
+the 133 architectures of ``bench/hf_sweep.py`` instead (models the test tier does not build). Either way the
+architectures ``bench/hf_more.py``'s ``UNWIDENED`` names are left out (their configs do not widen; ``--archs``
+runs them). ``--spec cpu`` prices the CPU's own attention kernels and autocast lists, the ones the measurement
+runs (a GPU's autocast keeps ``pow``, softmax and norms in float32; a CPU's does not).
 
 Each architecture is built from its tiny config with its widths multiplied by ``--widen`` (hidden sizes and
 feed-forward sizes), every dropout off, at a batch of 8 with its token sequences doubled. A LightningModule
@@ -33,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.hf_more import UNWIDENED
 from bench.hf_sweep import SWEEP
 from tests.hf_architectures import ARCHITECTURES, Architecture, build
 from tests.unit.test_step_peak import measured_peak, predicted_peak
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         "or cpu (the CPU's, which the measurement runs)")
     args = parser.parse_args(argv)
     known = {**ARCHITECTURES, **SWEEP}
-    names = args.archs or list(SWEEP if args.sweep else ARCHITECTURES)
+    names = args.archs or [n for n in (SWEEP if args.sweep else ARCHITECTURES) if n not in UNWIDENED]
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     print(f"torch {torch.__version__}; estimate mode ({args.spec} spec) against plain Lightning on the CPU\n")

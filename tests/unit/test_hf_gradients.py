@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 pytest.importorskip("transformers")
 
 from lightning_autopart.capture import capture
-from tests.hf_architectures import ARCHITECTURES, build, inputs
+from tests.hf_architectures import ARCHITECTURES, Architecture, build, inputs
 
 
 def _output(out: object) -> torch.Tensor:
@@ -26,13 +26,15 @@ def _output(out: object) -> torch.Tensor:
     return next(t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
 
 
-def _check(name: str, checkpointing: bool) -> None:
+def check_gradients(name: str | Architecture, checkpointing: bool) -> None:
+    """One backward through the export of architecture ``name`` (a name or a row) gives every parameter eager's
+    gradient; shared with bench/hf_sweep.py."""
     model = build(name, "cpu", dropout=False).train()
     if checkpointing:  # reentrant, as older training scripts ask for it (it was torch's default)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     x = inputs(name, "cpu")
     captured = capture(model, x)
-    assert captured.method == "export" and captured.split_graph is not None
+    assert captured.method == "export" and captured.split_graph is not None, f"captured by {captured.method}"
     torch.manual_seed(1)  # the same draws (PhiMoE's router samples its experts in training)
     _output(model(**x)).float().square().mean().backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -48,10 +50,10 @@ def _check(name: str, checkpointing: bool) -> None:
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_captured_gradients_equal_eager_ones(name: str) -> None:
-    _check(name, checkpointing=False)
+    check_gradients(name, checkpointing=False)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # gradient_checkpointing_enable's new name in 5.x
 @pytest.mark.parametrize("name", ["qwen2", "bloom", "roberta", "bart", "swin", "whisper"])
 def test_with_reentrant_checkpointing_too(name: str) -> None:
-    _check(name, checkpointing=True)
+    check_gradients(name, checkpointing=True)
