@@ -20,6 +20,7 @@ from lightning_autopart.capture.keywords import keyword_safe_codegen, refuse_key
 from lightning_autopart.capture.libraries import library_hint
 from lightning_autopart.capture.outputs import report_dropped
 from lightning_autopart.capture.pytree_keys import keyed_pytree_nodes
+from lightning_autopart.capture.strays import strays_on_meta
 from lightning_autopart.capture.via_export import capture_export
 from lightning_autopart.capture.via_hooks import capture_modules
 from lightning_autopart.errors import CaptureError, ConfigError
@@ -46,7 +47,8 @@ def capture(
     ``nn.Sequential``, ``nn.ModuleDict``) always expanded, and the heaviest block split into its children
     while it holds more than ``2 / max_blocks`` of the parameters and the count stays within ``max_blocks``.
     The module is never modified: no hooks stay behind, parameters are the user's own tensors, and training
-    mode and buffers are restored. Module and inputs may live on the meta device.
+    mode and buffers are restored. Module and inputs may live on the meta device (a model with a parameter or
+    buffer there is captured as wholly on meta: [Note: tensors the meta device missed]).
 
     Args:
         module: The model (an ``nn.Module`` or a ``LightningModule``; its ``forward`` is captured).
@@ -85,7 +87,13 @@ def capture(
     args, kwargs = split_inputs(example_inputs)
     kwargs = _signature_order(module, kwargs)
     # [Note: pytree keys]: export names values by their pytree paths.
-    with _preserved(module), keep_host_random(module), keep_attributes(module), keyed_pytree_nodes():
+    with (
+        _preserved(module),
+        keep_host_random(module),
+        keep_attributes(module),
+        keyed_pytree_nodes(),
+        strays_on_meta(module),  # [Note: tensors the meta device missed]
+    ):
         module.train()  # dropout probabilities as in training; modes are read when programs run
         try:
             captured = _capture(module, args, kwargs, max_blocks, method, check_eval)

@@ -8,7 +8,17 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Glue", "first_line", "forward_message", "glue_message"]
+__all__ = ["MIXED_DEVICES", "Glue", "first_line", "forward_message", "glue_message", "mixes_devices"]
+
+#: What a forward that mixes devices is told: the likely cause and the fix. Not a meta limitation: on a GPU the
+#: same forward fails alike (a CPU tensor beside CUDA ones), and where a model's own parameter or buffer is the
+#: CPU tensor (a legacy constructor under ``torch.device("meta")``) capture already moves it (see [Note: tensors
+#: the meta device missed] in strays.py).
+MIXED_DEVICES = (
+    "The forward mixes tensors on two devices: a tensor it makes without a device (torch.arange(n), "
+    "torch.zeros(...), torch.tensor([...])) is on the CPU whatever device the model is on, and a GPU run fails "
+    "the same way; make it on the device of the tensors it meets (device=x.device, or .to(x.device))"
+)
 
 
 class Glue(Exception):
@@ -67,7 +77,9 @@ def forward_message(
     tensors = [
         t for t in (*pytree.tree_leaves((args, kwargs)), *module.parameters()) if isinstance(t, torch.Tensor)
     ]
-    if any(t.is_meta for t in tensors):
+    if mixes_devices(error):
+        text += f". {MIXED_DEVICES}"
+    elif any(t.is_meta for t in tensors):
         text += (
             ". On the meta device forward cannot run data-dependent code (such as `if x.sum() > 0`): capture "
             "with real (non-meta) example inputs (`autopart plan --profile measure`; under the strategy, build the "
@@ -79,3 +91,10 @@ def forward_message(
     if export_error is not None and first_line(error) not in export_error:
         text += f" (torch.export failed with: {export_error})"
     return text
+
+
+def mixes_devices(error: BaseException) -> bool:
+    """Whether ``error`` is an operation refusing tensors on different devices (meta's words, or a real
+    device's)."""
+    text = str(error)
+    return "is not on the expected device" in text or "Expected all tensors to be on the same device" in text

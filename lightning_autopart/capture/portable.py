@@ -17,6 +17,17 @@ moved to ``meta`` had no values for.
 torch.export's own checks of a tensor's dtype and device (``_assert_tensor_metadata``, emitted before
 ``.to(...)``) are removed: the device moves, and under autocast a value's dtype is not the traced one.
 
+[Note: views on any layout] ``x.contiguous()`` copies only a tensor that is not contiguous, so torch.export
+records it only where the traced tensor was not: where the capture device's kernel happened to lay out its
+output so that the copy was not needed, the graph has no copy, and a ``view`` after it holds on that layout
+alone. Hugging Face's sdpa path ends ``attn_output.transpose(1, 2).contiguous()`` and the layer views the
+result as ``(batch, length, -1)``: the CPU's flash kernel returns (batch, length, heads, size) in memory, so
+the transpose is contiguous and no copy is recorded; a GPU's math path (grouped key/value heads in float32,
+or with a mask) and meta's return (batch, heads, length, size), where that ``view`` raised "view size is not
+compatible" (AFMoE captured on the CPU, in estimate mode, and so on such a GPU). So every ``view`` of a
+captured program is a ``reshape``: the same view (the same aten ``view`` at dispatch) wherever a view
+exists, and the copy ``contiguous()`` makes eagerly where the run-time layout allows none.
+
 [Note: modes] torch.export also records ``self.training`` as a constant: ``dropout(x, p, train=True)``,
 ``batch_norm(..., training=True, ...)`` and BatchNorm's ``num_batches_tracked += 1``. Models are captured in
 training mode (so a dropout's probability is the training one), and each such flag becomes a read of the
@@ -101,19 +112,29 @@ class ModeSwitch:
 
 def make_portable(program: fx.GraphModule, home: torch.device | None, switch: ModeSwitch) -> None:
     """Make a captured program follow its inputs' device and its modules' modes (see [Note: portable programs],
-    [Note: modes]), with the subgraphs of its higher-order operations (``torch.no_grad()`` regions), in place."""
+    [Note: modes]) and its views hold on any layout ([Note: views on any layout]), with the subgraphs of its
+    higher-order operations (``torch.no_grad()`` regions), in place."""
     for sub in _subgraphs(program):
         make_portable(sub, home, switch)
     for node in list(program.graph.nodes):
         if node.op == "call_function" and node.target is _aten._assert_tensor_metadata.default:
             program.graph.erase_node(node)
     _follow_device(program, home)
+    _views_on_any_layout(program.graph)
     follow_extremes(program.graph)
     setattr(program, HOME_ATTRIBUTE, home)
     setattr(program, MODES_ATTRIBUTE, switch)  # before the graph reads it (fx checks get_attr targets)
     if not _follow_mode(program.graph, switch):
         delattr(program, MODES_ATTRIBUTE)
     program.recompile()
+
+
+def _views_on_any_layout(graph: fx.Graph) -> int:
+    """Make every ``view`` of ``graph`` a ``reshape`` (see [Note: views on any layout]); returns how many."""
+    views = [n for n in graph.nodes if n.op == "call_function" and n.target is _aten.view.default]
+    for node in views:
+        node.target = _aten.reshape.default
+    return len(views)
 
 
 def _follow_mode(graph: fx.Graph, switch: ModeSwitch) -> int:

@@ -8,6 +8,8 @@ that trains under plain Lightning cannot be profiled. The common cases have a kn
   real). The hint names the module and the source line of that read (from the graph node's stack trace, or the
   traceback's last frame in user code) and the two fixes: profile by measurement, or keep the value a tensor.
 - ``measure`` runs a copy of the block on the device: running out of memory there means profiling by estimate.
+- an operation that refuses tensors on two devices: a tensor the forward made without a device is on the CPU,
+  and a GPU run fails alike; the fix is to make it on its operands' device.
 - anything else: check the model trains on that batch without autopart; the traceback shows where it failed.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lightning_autopart.capture.glue import MIXED_DEVICES, mixes_devices
 from lightning_autopart.capture.graph import Block
 
 __all__ = ["failure_hint", "warn_opaque"]
@@ -55,6 +58,8 @@ def failure_hint(block: Block, mode: str, error: BaseException) -> str:
     """A sentence (starting with "; ") to append to the message of ``block`` failing to profile in ``mode``
     with ``error``: the cause as far as it can be told, and the fix."""
     text = str(error)
+    if mixes_devices(error):
+        return f"; {MIXED_DEVICES[0].lower()}{MIXED_DEVICES[1:]}"
     if mode == "estimate" and (
         "meta" in text.lower() or "data-dependent" in text or isinstance(error, NotImplementedError)
     ):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.capture.strays import strays_on_meta
 from lightning_autopart.devices import DeviceSpec, device_spec, tf32_convolutions, tf32_matmuls
 from lightning_autopart.errors import ConfigError, ProfileError
 from lightning_autopart.profile.autocast_cuts import with_autocast_dtypes
@@ -180,55 +181,58 @@ def profile(
             launch_us=chosen.launch_us,
         )
 
-    cut_dtype = precision.compute  # the dtype cuts are held in (None: each one's own)
-    if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
-        captured, meta["cut_dtypes"] = with_autocast_dtypes(captured, precision.compute, kernels)
-        # the loss runs on the output in these dtypes, under the same autocast ([Note: the loss] in loss.py)
-        meta.update(autocast=kernels, output_dtypes=[i.dtype for i in captured.cuts[-1]])
-        twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute, kernels)[0]
-        cut_dtype = None
-    records: list[BlockProfile] = []
-    per_block: list[dict[str, Any]] = []
-    with torch.random.fork_rng(devices=rng_devices):
-        torch.manual_seed(0)
-        measured: dict[int, BlockCost] = {}
-        measured_names: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
-        for done, index in enumerate(indices, start=1):
-            block = captured.blocks[index]
-            if mode == "measure" and index not in measured:
-                window = _window(indices[done - 1 :], memory, dev)
-                measured.update(_measure(captured, window, dev, precision, chosen.launch_us, warmup, repeats))
-            try:
-                cost = measured[index] if mode == "measure" else estimate_block(block, precision, roofline)
-            except Exception as err:
-                hint = failure_hint(block, mode, err)
-                _forget_frames(err)
-                raise ProfileError(
-                    f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
-                    f"{type(err).__name__}: {err}{hint}"
-                ) from err
-            cut_bytes = sum(scaled_nbytes(t, cut_dtype) for t in captured.cuts[index])
-            own = memory[index]
-            step_us = optimizer_step_us(optimizer, own.stepped_bytes, own.stepped_tensors, chosen, gpu)
-            add_us = accumulate_us(own.stepped_bytes, own.stepped_tensors, chosen)
-            record = _record(block.name, block.modules, own, cost, cut_bytes, (step_us, add_us))
-            if twin is not None:
-                record = _with_curve(record, captured, twin, index, precision, roofline, sizes, cut_dtype)
-            records.append(record)
-            measured_names[index] = cost.saved_names
-            per_block.append(
-                {
-                    "index": index,
-                    "fwd_kernels": cost.fwd_kernels,
-                    "bwd_kernels": cost.bwd_kernels,
-                    "bwd_flops": cost.bwd_flops,
-                    "saved_input_bytes": cost.saved_input_bytes,
-                    "saved_output_bytes": cost.saved_output_bytes,
-                    **({"opaque_ops": sorted(cost.opaque_ops)} if cost.opaque_ops else {}),
-                }
-            )
-            if progress is not None:
-                progress(done, len(indices), block.name)
+    # a model built on meta with a few tensors elsewhere runs as wholly on meta ([Note: tensors the meta device
+    # missed] in capture/strays.py): its blocks, and the autocast dtypes of its cuts
+    with strays_on_meta(captured.module):
+        cut_dtype = precision.compute  # the dtype cuts are held in (None: each one's own)
+        if precision.mixed and precision.compute is not None:  # see [Note: cut dtypes under autocast]
+            captured, meta["cut_dtypes"] = with_autocast_dtypes(captured, precision.compute, kernels)
+            # the loss runs on the output in these dtypes, under the same autocast ([Note: the loss] in loss.py)
+            meta.update(autocast=kernels, output_dtypes=[i.dtype for i in captured.cuts[-1]])
+            twin = twin if twin is None else with_autocast_dtypes(twin, precision.compute, kernels)[0]
+            cut_dtype = None
+        records: list[BlockProfile] = []
+        per_block: list[dict[str, Any]] = []
+        with torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(0)
+            measured: dict[int, BlockCost] = {}
+            measured_names: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
+            for done, index in enumerate(indices, start=1):
+                block = captured.blocks[index]
+                if mode == "measure" and index not in measured:
+                    window = _window(indices[done - 1 :], memory, dev)
+                    measured.update(_measure(captured, window, dev, precision, chosen.launch_us, warmup, repeats))
+                try:
+                    cost = measured[index] if mode == "measure" else estimate_block(block, precision, roofline)
+                except Exception as err:
+                    hint = failure_hint(block, mode, err)
+                    _forget_frames(err)
+                    raise ProfileError(
+                        f"profiling block {index} ({block.name!r}) in {mode} mode failed: "
+                        f"{type(err).__name__}: {err}{hint}"
+                    ) from err
+                cut_bytes = sum(scaled_nbytes(t, cut_dtype) for t in captured.cuts[index])
+                own = memory[index]
+                step_us = optimizer_step_us(optimizer, own.stepped_bytes, own.stepped_tensors, chosen, gpu)
+                add_us = accumulate_us(own.stepped_bytes, own.stepped_tensors, chosen)
+                record = _record(block.name, block.modules, own, cost, cut_bytes, (step_us, add_us))
+                if twin is not None:
+                    record = _with_curve(record, captured, twin, index, precision, roofline, sizes, cut_dtype)
+                records.append(record)
+                measured_names[index] = cost.saved_names
+                per_block.append(
+                    {
+                        "index": index,
+                        "fwd_kernels": cost.fwd_kernels,
+                        "bwd_kernels": cost.bwd_kernels,
+                        "bwd_flops": cost.bwd_flops,
+                        "saved_input_bytes": cost.saved_input_bytes,
+                        "saved_output_bytes": cost.saved_output_bytes,
+                        **({"opaque_ops": sorted(cost.opaque_ops)} if cost.opaque_ops else {}),
+                    }
+                )
+                if progress is not None:
+                    progress(done, len(indices), block.name)
     meta["per_block"] = per_block
     opaque = sorted({op for entry in per_block for op in entry.get("opaque_ops", ())})
     if opaque:

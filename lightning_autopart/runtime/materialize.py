@@ -19,7 +19,6 @@ tensor ``reset_parameters`` did not write (it stays NaN, checked once) and torch
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils import swap_tensors
 
+from lightning_autopart.capture.strays import swap_in_place
 from lightning_autopart.errors import ConfigError
 
 __all__ = ["Materialized", "check_initialisable", "has_meta_tensors", "materialize"]
@@ -129,14 +128,7 @@ def _swap_device(t: Tensor, device: str, fill: bool = False) -> None:
         new.fill_(float("nan"))
     if isinstance(t, nn.Parameter):
         new = nn.Parameter(new, requires_grad=t.requires_grad)
-    if not weakref.getweakrefs(t):
-        swap_tensors(t, new)
-        return
-    # The only weak references are the fake-tensor memos of the capture's torch.export runs, which nothing
-    # reads again (a new export makes a new fake mode): swap as swap_tensors does, without its weakref guard.
-    assert type(new) is type(t), (type(new), type(t))
-    t.__dict__, new.__dict__ = new.__dict__, t.__dict__
-    torch._C._swap_tensor_impl(t, new)
+    swap_in_place(t, new)
 
 
 def _check_written(module: nn.Module, t: Tensor) -> None:

@@ -2,7 +2,8 @@
 on the CPU trains on the GPU under CUDA's autocast, and checking one leaves the CUDA generators as they were
 ([Note: custom autograd functions], [Note: Functions kept whole]); a stage captured on the CPU and moved
 to the GPU runs its evaluation-mode program there ([Note: Python branches on the mode]), and fills masked
-scores under CUDA's autocast as the eager model does ([Note: dtype extremes])."""
+scores under CUDA's autocast as the eager model does ([Note: dtype extremes]); a view of attention's output
+captured on the CPU holds on the layout CUDA's kernel gives it ([Note: views on any layout])."""
 
 from __future__ import annotations
 
@@ -121,3 +122,18 @@ def test_a_stage_fills_masked_scores_under_cuda_autocast_as_eager_does(dtype: to
         got, want = stage(x, mask)[0], model(x, mask)
     assert got.dtype == want.dtype == dtype
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_view_after_grouped_attention_captured_on_the_cpu_runs_on_cuda_in_float32() -> None:
+    """[Note: views on any layout]: captured on the CPU, whose flash kernel made the ``contiguous()`` after
+    attention a no-op (none recorded), the stage runs on CUDA, whose math path (grouped heads in float32)
+    lays the output out otherwise; the view that followed it copies there, as ``contiguous()`` does eagerly."""
+    from tests.unit.test_capture_idioms import GroupedAttention
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), GroupedAttention()), torch.randn(2, 6, 16)
+    captured = capture(model, x)
+    stage = build_stage_module(captured, 0, captured.num_blocks)
+    move_in_place(stage, torch.device("cuda"))
+    got = stage(x.cuda())[0]
+    torch.testing.assert_close(got, model(x.cuda()))

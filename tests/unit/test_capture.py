@@ -320,3 +320,24 @@ def test_meta_data_dependent_forward_suggests_real_inputs() -> None:
         model, x = make("data_dependent"), torch.randn(3, 8)
     with pytest.raises(CaptureError, match=r"DataDependent\.forward.*meta.*--profile measure"):
         capture(model, x)
+
+
+class _CpuPositions(nn.Module):
+    """Adds positions it makes with no device: a CPU tensor whatever device the model is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + torch.arange(x.shape[-1])
+
+
+def test_a_forward_that_mixes_devices_is_told_the_cause_and_the_fix() -> None:
+    """A tensor made in forward with no device is on the CPU: on meta, as on a GPU, adding it to the model's
+    tensors fails. The message says so and how to make it (not that meta cannot run data-dependent code)."""
+    with torch.device("meta"):
+        model = _CpuPositions()
+    with pytest.raises(CaptureError, match=r"mixes tensors on two devices.*device=x\.device") as raised:
+        capture(model, torch.zeros(2, 8, device="meta"))
+    assert "data-dependent" not in str(raised.value)
