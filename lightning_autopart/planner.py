@@ -205,9 +205,11 @@ def _loss_reads(captured: CapturedModel, loss: LossFn) -> tuple[bool, ...] | Non
 
 
 def _mark_dead_outputs(captured: CapturedModel, reads: tuple[bool, ...] | None) -> None:
-    """Set each block's ``dead_outputs`` (see ``Block.dead_outputs``): the model outputs that ``reads`` says the
+    """Set each block's ``dead_outputs`` and ``dead_inputs`` (see ``Block``): the model outputs that ``reads`` says the
     loss does not read, and the values that only blocks with no live output use (a pooling head the loss
-    skips, split over several blocks), unless a block with a live output uses them too."""
+    skips, split over several blocks; a value the forward computes and never uses, whose last block has no
+    output at all: CANINE's upsampling beside its classification), unless a block with a live output uses them
+    too."""
     outputs = captured.cuts[-1]
     if reads is None or len(reads) != len(outputs):
         return
@@ -216,8 +218,11 @@ def _mark_dead_outputs(captured: CapturedModel, reads: tuple[bool, ...] | None) 
     for block in reversed(captured.blocks):
         live = {o.name for o in block.outputs if o.name in read or o.name in needed}
         block.dead_outputs = frozenset(o.name for o in block.outputs if o.name not in live)
-        if live or not block.outputs:
+        if live:
             needed.update(t.name for t in block.inputs)
+    dead = {name for block in captured.blocks for name in block.dead_outputs}
+    for block in captured.blocks:
+        block.dead_inputs = frozenset(t.name for t in block.inputs if t.name in dead)
 
 
 def _shapes_at(a: CapturedModel, b: CapturedModel, n: int) -> list[tuple[int, ...]]:

@@ -95,11 +95,16 @@ class Block:
     op_count: int
     #: Names of ``outputs`` that nothing downstream differentiates: model outputs the training loss does not
     #: read (a Hugging Face model's logits beside the loss it computes, a pooled output beside the hidden states
-    #: the loss reads), and values only blocks with no live output use. Profilers give them no gradient and free
-    #: them before backward, as training does; a block all of whose outputs are dead gives its parameters no
-    #: gradient, so the optimizer keeps no state for them (set by the planner, see
+    #: the loss reads), and values only blocks with no live output use (a block with no output at all has none).
+    #: Profilers give them no gradient and free them before backward, as training does; a block all of whose
+    #: outputs are dead gives its parameters no gradient, so the optimizer keeps no state for them (set by the
+    #: planner, see
     #: :func:`lightning_autopart.planner.profile_model`).
     dead_outputs: frozenset[str] = frozenset()
+    #: Names of ``inputs`` that are dead outputs of the blocks that make them: values only dead parts use, so
+    #: what the block saves of them goes with its graph before backward (see [Note: a dead part's saves] in
+    #: partition/cost.py; set by the planner with ``dead_outputs``).
+    dead_inputs: frozenset[str] = frozenset()
     #: The block's program in evaluation mode, where the model's forward branches on the mode in Python
     #: (same inputs and outputs; see [Note: Python branches on the mode] in capture/modes.py); None where
     #: one program serves.

@@ -27,9 +27,13 @@ Per stage, with prefix sums (and a sparse table for the range maximum) so that e
                                                               meets the activations of blocks i..k only:
                                                               [Note: backward's peak] in tables.py)
     Y = grads * optimizer transient factor                      (the optimizer step's temporaries, after backward)
-    E = X, or fresh_excess(...) if fresh                        (gradients not yet made at the peak: [Note:
-                                                              fresh gradients] in fresh.py; u = sum a_k +
-                                                              sum w_k: a backward frees both)
+    D = F(i, j)                                                 (what the forward holds of the saves of its
+                                                              dead parts, freed before backward: [Note: a
+                                                              dead part's saves])
+    E = max(X, D), or fresh_excess(...) if fresh                (gradients not yet made at the peak: [Note:
+                                                              fresh gradients] in fresh.py, D at the
+                                                              forward's end; u = sum a_k + sum w_k: a
+                                                              backward frees both)
     memory_off = static + P + max(in_flight * sum a_k + E_off + Q_off + W, Y)
     memory_on  = static + P + max(in_flight * c_{i-1} + sum a_k + sum w_k + E_on + Q_on, Y)  (u = c_{i-1};
                                                               keep only the stage input per micro-batch,
@@ -65,6 +69,21 @@ backward keeps: a copy it does not need (a first layer's, a bias's) dies with it
 its copies with its activations, for fresh gradients to take their place (``u`` counts them). MLP GPipe ranks:
 1.157 and 1.088 before both, 1.031 and 1.014 after. A checkpointed stage keeps none in flight: the recompute
 makes one micro-batch's again, priced with its activations.
+
+[Note: a dead part's saves] A part of the forward whose outputs nothing differentiates (a head the loss skips;
+a value the model computes and never uses, as CANINE's classifier leaves its upsampled characters) gets no
+gradient: its parameters no gradient nor optimizer state ([Note: unreached gradients] in fresh.py), and its
+saves go with its graph when its outputs are dropped, before backward, so they are no activations. But the
+forward holds them until then: a model's output until the loss is computed, a local until the model's forward
+returns. Each block records them (``dropped_bytes``: what dropping its dead outputs frees; all it saves, its
+inputs too, where it differentiates nothing, ``forward_only``, and its transient is its forward's peak), and
+``F(i, j)`` (:class:`~.tables.ForwardPeak`) is the most a micro-batch's forward holds of them beyond the
+activations: all of them at the forward's end, or those made before a forward-only block while it peaks, with
+the activations up to it. ``E`` takes the larger of ``X`` and ``D``; a fresh stage adds ``D`` to the forward's
+end, where a single stage holds last step's gradients (a checkpointed forward saves none). CANINE's
+classification, whose upsampling and last character encoder nothing reads, read 1.228 of plain Lightning's step
+peak (``bench/step_peak.py``: their gradients and optimizer state priced) and 0.872 with them dropped but the
+saves not held; 0.982 with both (float32 and bf16-true).
 
 [Note: pipeline buffers] Besides its state and activations, a rank holds what the step moves:
 
@@ -318,6 +337,7 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
     st = static[j] - static[i] + tp + tg + to
     a_sum = at.acts[j] - at.acts[i] + at.shared[i]
     trans = at.transient(i, j)
+    dropped = at.forward(i, j)  # [Note: a dead part's saves]
     unit_casts = tables.casts[j] - tables.casts[i]  # [Note: weight casts]: per micro-batch in flight
     grad = grads[j] - grads[i] + tg
     y = int(grad * tables.opt_transient)
@@ -340,11 +360,12 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         backs = sent_backs(at.recv[i], unit, kept_out, at.stage_input[i], infl, mb, gpipe, cc.fresh[k])
     # what the peak adds to the units in flight ([Note: backward's peak] in tables.py; [Note: fresh
     # gradients] in fresh.py)
-    e_off, e_on = trans + backs[0], trans + backs[1]
+    e_off, e_on = max(trans, dropped) + backs[0], trans + backs[1]
     if cc.fresh[k]:
         e_off, e_on = fresh_excesses(
-            trans, at.fresh_transient(i, j), grad, cc.capped, a_sum + unit_casts, at.stage_input[i], infl > 1, backs
-        )
+            trans, at.fresh_transient(i, j), grad, cc.capped, a_sum + unit_casts, at.stage_input[i], infl > 1, backs,
+            dropped,
+        )  # fmt: skip
     fits = True
     if st + held + max(act_off + e_off + q_off + casts_off, y) <= cap:
         ck, act, e, q = False, act_off, e_off, q_off
@@ -408,8 +429,8 @@ def stage_cost(tables: CostTables, cc: ConfigCosts, k: int, i: int, j: int) -> S
         io_bytes=held + q,
         bound_bytes=mem,
         parts=None if v == 1 else with_first_backward(
-            ChunkParts(st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo, trans, y,
-                       0 if ck else unit_casts),
+            ChunkParts(st, cc.batch[k] + mb * sent, unit, kept_out - kept, sent - relayed, redo,
+                       max(trans, dropped), y, 0 if ck else unit_casts),
             0 if cc.cfg.replicas > 1 or tables.persistent_grads else grad - tg,  # a tied copy's: there from the start
             at.fresh_transient(i, j),
         ),

@@ -60,6 +60,7 @@ def solve(
     pf, pb, pa, po_ = cc.pf, cc.pb, at.acts, tables.opt_us
     sh, pc = at.shared, tables.casts
     cin, trans, ftrans, yf = at.stage_input, at.transient, at.fresh_transient, tables.opt_transient
+    fwd = at.forward
     rv, al, sd, hd = at.recv, at.alias, at.send, cc.held
     batch, msg, capped = cc.batch, cc.messages, cc.capped
     kept = msg - cc.cfg.micro_batches  # finished micro-batches' messages kept to the step's end (interleaved)
@@ -125,10 +126,11 @@ def solve(
                 bs = _NONE
                 if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
                     bs = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp, fresh)
+                dr = fwd(i, j)  # the dead parts' saves ([Note: a dead part's saves] in cost.py)
                 if fresh:  # gradients not yet made at the peak ([Note: fresh gradients] in fresh.py)
-                    e_off, e_on = fresh_excesses(x, ftrans(i, j), gr, capped, a_sum + wc, cin[i], later, bs)
+                    e_off, e_on = fresh_excesses(x, ftrans(i, j), gr, capped, a_sum + wc, cin[i], later, bs, dr)
                 else:
-                    e_off, e_on = x + bs[0], x + bs[1]
+                    e_off, e_on = (x if x > dr else dr) + bs[0], x + bs[1]
                 if rt:
                     st -= kept * at.relayed_through(i, j)
                 if st + max(e_off + infl * (a_sum + wc) + q - infl * al[i], y) <= cap:
@@ -247,11 +249,12 @@ def solve_memory(
                 bs = _NONE
                 if back and rv[i]:  # [Note: input gradients in flight] in fresh.py
                     bs = sent_backs(rv[i], a_sum + wc + ko - al[i], ko, cin[i], infl, mbs, gp, fresh)
+                dr = at.forward(i, j)  # [Note: a dead part's saves] in cost.py
                 if fresh:
                     xf = at.fresh_transient(i, j)
-                    e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1, bs)
+                    e_off, e_on = fresh_excesses(x, xf, gr, capped, a_sum + wc, cin[i], infl > 1, bs, dr)
                 else:
-                    e_off, e_on = x + bs[0], x + bs[1]
+                    e_off, e_on = max(x, dr) + bs[0], x + bs[1]
                 units = infl * (a_sum + wc) + e_off + q - infl * al[i]
                 if ck:
                     units = min(units, a_sum + wc + e_on + q)

@@ -67,14 +67,23 @@ def fresh_excess(x: int, xf: int, grads: int, lead: int, prev: int, later: bool,
 
 
 def fresh_excesses(
-    x: int, xf: int, grads: int, capped: bool, unit: int, stage_input: int, later: bool, backs: tuple[int, int]
+    x: int,
+    xf: int,
+    grads: int,
+    capped: bool,
+    unit: int,
+    stage_input: int,
+    later: bool,
+    backs: tuple[int, int],
+    dropped: int = 0,
 ) -> tuple[int, int]:
     """:func:`fresh_excess` without and with checkpointing, for a stage whose micro-batch unit is ``unit`` and
     whose checkpointed unit is ``stage_input``; ``capped``: a single stage, whose forward's end holds last step's
-    gradients; ``backs``: :func:`sent_backs` of a fresh stage."""
+    gradients; ``backs``: :func:`sent_backs` of a fresh stage; ``dropped``: what the forward's end holds of its
+    dead parts' saves, not kept where checkpointed ([Note: a dead part's saves] in cost.py)."""
     lead = grads if capped else 0
     return (
-        fresh_excess(x, xf, grads, lead, unit, later, backs[0]),
+        fresh_excess(x, xf, grads, lead + dropped, unit, later, backs[0]),
         fresh_excess(x, xf, grads, lead - unit, stage_input, later, backs[1]),
     )
 

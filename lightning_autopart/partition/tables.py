@@ -12,7 +12,7 @@ from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.optimizers import optimizer_transient_factor
 from lightning_autopart.profile.records import BlockProfile, ModelProfile, cost_at
 
-__all__ = ["BackwardPeak", "CostTables", "RangeMax", "SizeTables"]
+__all__ = ["BackwardPeak", "CostTables", "ForwardPeak", "RangeMax", "SizeTables"]
 
 
 class RangeMax:
@@ -45,7 +45,9 @@ class SizeTables:
     ``stage_input[i]``: bytes a stage starting at block ``i`` receives;
     ``cuts[k]``: bytes crossing the cut after block ``k``; ``transient(i, j)``: what a micro-batch's backward through
     blocks ``[i, j)`` holds at most beyond their activations ([Note: backward's peak]), ``fresh_transient(i, j)``
-    the same with the gradients the blocks after the running one have made. Per micro-batch, what the pipeline
+    the same with the gradients the blocks after the running one have made; ``forward(i, j)``: what its forward
+    holds at most beyond their activations, the saves of their dead parts, freed before its backward
+    (:class:`ForwardPeak`). Per micro-batch, what the pipeline
     holds (see [Note: pipeline buffers] in cost.py):
     ``recv[i]``, the receive buffer of a stage starting at block ``i`` (0 for the first: the batch holds its
     input); ``alias[i]``, the part of it block ``i`` saves; ``send[j]``, the receive buffer of the gradient of a
@@ -68,6 +70,7 @@ class SizeTables:
     cuts: list[int]
     transient: BackwardPeak
     fresh_transient: BackwardPeak
+    forward: ForwardPeak
     recv: list[int]
     alias: list[int]
     send: list[int]
@@ -118,6 +121,36 @@ class BackwardPeak(RangeMax):
 
     def __call__(self, i: int, j: int) -> int:
         return super().__call__(i, j) + self._offset[j] if j > i else 0
+
+
+class ForwardPeak(RangeMax):
+    """``F(i, j)``: what a micro-batch's forward through blocks ``[i, j)`` holds at most beyond their activations
+    (``acts``, a prefix sum), from the saves of their dead parts (``dropped``, a prefix sum), which the forward
+    holds and its backward never sees ([Note: a dead part's saves] in cost.py): all of them at the forward's end,
+    and, while a block that runs no backward (``forward_only``) peaks in its forward (``t_k``), those made before
+    it, with the activations of the blocks up to it::
+
+        F(i, j) = max(d(i..j), max over forward-only k in [i, j) of (a(i..k) + d(i..k-1) + t_k) - a(i..j))
+    """
+
+    def __init__(self, acts: list[int], dropped: list[int], transients: list[int], forward_only: list[bool]) -> None:
+        values = zip(acts[1:], dropped[:-1], transients, forward_only, strict=True)
+        super().__init__([a + d + t if only else _NONE_BELOW for a, d, t, only in values])
+        self._acts, self._dropped = acts, dropped
+        self._any = _prefix([int(only) for only in forward_only])
+
+    def __call__(self, i: int, j: int) -> int:
+        if j <= i:
+            return 0
+        ends = self._dropped[j] - self._dropped[i]
+        if self._any[j] == self._any[i]:
+            return ends
+        top = super().__call__(i, j) - self._acts[j] - self._dropped[i]
+        return top if top > ends else ends
+
+
+#: Below every value of a :class:`ForwardPeak` (blocks that run a backward take no part in its maximum).
+_NONE_BELOW = -(1 << 62)
 
 
 def _prefix(values: list[int]) -> list[int]:
@@ -236,6 +269,13 @@ class CostTables:
                 # with the gradients the running block made by its peak ([Note: gradients made by the peak])
                 fresh_transient=BackwardPeak(
                     kept_back, [p + x for p, x in zip(peaks, self.fresh_extra, strict=True)], self.made_grads
+                ),
+                # the dead parts' saves, in proportion to the batch ([Note: a dead part's saves] in cost.py)
+                forward=ForwardPeak(
+                    kept_back,
+                    _prefix([-(-b.dropped_bytes * m // self.b0) for b in blocks]),
+                    peaks,
+                    [b.forward_only for b in blocks],
                 ),
                 recv=[0, *cuts[:-1]],
                 # a part of what the block saves, never more (a + q >= 0 per micro-batch in flight)

@@ -106,7 +106,8 @@ def add_loss(profile: ModelProfile, losses: Mapping[int, LossCost]) -> ModelProf
                 cut,
             )
         )
-    block = with_curve(last, joined)
+    # the loss's backward runs from the last block: its transient is no forward's any more
+    block = dataclasses.replace(with_curve(last, joined), forward_only=False)
     if not last.curve:
         block = dataclasses.replace(block, curve=())
     meta = {**profile.meta, "loss_priced": True}

@@ -129,9 +129,10 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
 
 def _counted(
     block: Block, precision: Precision, roofline: Roofline, *, keep_ops: bool
-) -> tuple[OpCounter, tuple[int, int, int], tuple[int, int, int], tuple[frozenset[str], frozenset[str]]]:
+) -> tuple[OpCounter, tuple[int, int, int], tuple[int, ...], tuple[frozenset[str], frozenset[str]]]:
     """A counted forward and backward of a meta copy of ``block``, its saved bytes as ``Runner.counted_run``
-    returns them, and its (transient, cast, fresh extra) bytes (see estimate_block)."""
+    returns them, and its (transient, cast, fresh extra, dropped) bytes and whether it ran no backward (see
+    estimate_block)."""
     if precision.mixed and precision.compute is not None:
         runner = Runner(block, _META, precision)  # float32 weights, autocast's casts (see MetaAutocast)
         runner.context = partial(_mixed, precision.compute, roofline.kernels)
@@ -143,7 +144,11 @@ def _counted(
         saved = runner.counted_run(counter)
     finally:
         runner.release()  # see [Note: no copy outlives the profiler] in sandbox.py
-    return counter, saved, (runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes), runner.saved_names
+    memory = (
+        runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes, runner.dropped_bytes,
+        int(runner.forward_only),
+    )  # fmt: skip
+    return counter, saved, memory, runner.saved_names
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ def measure_blocks(
     runners: list[Runner] = []
     counters: list[OpCounter] = []
     saved: list[tuple[int, int, int]] = []
-    memory: list[tuple[int, int, int]] = []
+    memory: list[tuple[int, ...]] = []
     names: list[tuple[frozenset[str], frozenset[str]]] = []
     fwd_times: list[list[float]] = [[] for _ in blocks]
     bwd_times: list[list[float]] = [[] for _ in blocks]
@@ -90,7 +90,10 @@ def measure_blocks(
                 runners.append(runner)
                 counter = OpCounter()
                 saved.append(runner.counted_run(counter))
-                memory.append((runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes))
+                memory.append((
+                    runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes, runner.dropped_bytes,
+                    int(runner.forward_only),
+                ))  # fmt: skip
                 names.append(runner.saved_names)
             except Exception as error:
                 raise BlockFailed(i, error) from error

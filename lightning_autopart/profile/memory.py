@@ -87,10 +87,10 @@ def account_memory(
                 note(pos, *resolve(name, params, True), order[pos])
 
     owner = {key: min(blocks) for key, blocks in users.items() if blocks}
-    # a block whose every output is dead (Block.dead_outputs) passes no gradient to its parameters: no
-    # optimizer state, and a gradient buffer only in replicas' buckets ([Note: unreached gradients] in
-    # partition/fresh.py)
-    dead = {pos for pos, b in enumerate(captured.blocks) if b.outputs and len(b.dead_outputs) == len(b.outputs)}
+    # a block whose every output is dead (Block.dead_outputs), or that has none, passes no gradient to its
+    # parameters: no optimizer state, and a gradient buffer only in replicas' buckets ([Note: unreached
+    # gradients] in partition/fresh.py)
+    dead = {pos for pos, b in enumerate(captured.blocks) if len(b.dead_outputs) == len(b.outputs)}
     memory = []
     for pos in range(len(captured.blocks)):
         keys = [k for k in order[pos] if owner[k] == pos]

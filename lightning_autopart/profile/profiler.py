@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import traceback
 from collections.abc import Callable, Sequence
@@ -352,6 +353,8 @@ def _record(
         transient_bytes=int(cost.transient_bytes),
         cast_bytes=int(cost.cast_bytes),
         fresh_extra_bytes=int(cost.fresh_extra_bytes),
+        dropped_bytes=int(cost.dropped_bytes),
+        forward_only=cost.forward_only,
         optimizer_us=float(step_us[0]),
         accumulate_us=float(step_us[1]),
         host_fwd_us=float(cost.host_us[0]),
@@ -380,5 +383,7 @@ def _with_curve(
         samples=(captured.batch_size, twin.batch_size),
         cut_bytes=(cuts[0], cuts[1]),
     )
-    return with_curve(record, curve)
+    # the dead part's saves, measured at the capture's batch, in proportion at the curve's largest size
+    dropped = -(-record.dropped_bytes * curve[-1][0] // captured.batch_size)
+    return dataclasses.replace(with_curve(record, curve), dropped_bytes=dropped)
 

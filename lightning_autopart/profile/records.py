@@ -117,6 +117,13 @@ class BlockProfile:
     #: Time of adding one micro-batch's gradients into the parameters this block owns (every micro-batch but
     #: a step's first; see [Note: gradient accumulation] in step.py).
     accumulate_us: float = 0.0
+    #: Bytes the forward saves for the block's dead outputs alone (a head the loss skips, a value nothing
+    #: uses), at ``ModelProfile.batch_size``: freed before backward, so not in ``activation_bytes``, but held
+    #: until the forward's end ([Note: a dead part's saves]).
+    dropped_bytes: int = 0
+    #: Whether the block differentiates nothing (every output dead, or none needs a gradient): it runs no
+    #: backward, and ``transient_bytes`` is its forward's peak, the inputs it saves included.
+    forward_only: bool = False
 
 
 # [Note: saved twice]

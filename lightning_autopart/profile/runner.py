@@ -54,6 +54,11 @@ class BlockCost:
     #: What that peak adds where the backward makes the parameters' gradients ([Note: gradients made by the
     #: peak] in transient.py).
     fresh_extra_bytes: int = 0
+    #: What the forward saved for a part of the block whose outputs are all dead, freed before backward, and
+    #: whether the block differentiates nothing (runs no backward: its transient is its forward's; [Note: a dead
+    #: part's saves]).
+    dropped_bytes: int = 0
+    forward_only: bool = False
     #: Names of the block's inputs and of its outputs that it saves for backward (see [Note: saved twice]).
     saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
     #: Host time of the forward and the backward where the device runs behind the host (CUDA), else 0.
@@ -68,12 +73,13 @@ class BlockCost:
         saved: tuple[int, int, int],
         times_us: tuple[float, float],
         fixed_us: tuple[float, float],
-        memory: tuple[int, int, int] = (0, 0, 0),
+        memory: tuple[int, ...] = (0, 0, 0, 0, 0),
         saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
         host_us: tuple[float, float] = (0.0, 0.0),
     ) -> BlockCost:
         """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them), times, and
-        ``memory``: the run's (transient, cast, fresh extra) bytes."""
+        ``memory``: the run's (transient, cast, fresh extra, dropped) bytes and whether it ran no backward (1 or
+        0)."""
         fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
         return cls(
             fwd_us=times_us[0],
@@ -90,6 +96,8 @@ class BlockCost:
             transient_bytes=memory[0],
             cast_bytes=memory[1],
             fresh_extra_bytes=memory[2],
+            dropped_bytes=memory[3] if len(memory) > 3 else 0,
+            forward_only=bool(memory[4]) if len(memory) > 4 else False,
             saved_names=saved_names,
             host_us=host_us,
             opaque_ops=frozenset(counter.opaque),
@@ -114,10 +122,15 @@ class Runner:
         self.transient_bytes = 0
         self.cast_bytes = 0
         self.fresh_extra_bytes = 0
+        #: What the last :meth:`counted_run`'s forward saved for its dead outputs alone, and whether it ran no
+        #: backward ([Note: a dead part's saves]).
+        self.dropped_bytes = 0
+        self.forward_only = False
         #: Names of the block's inputs and outputs that the last :meth:`counted_run` saved for backward.
         self.saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._names = (tuple(t.name for t in block.inputs), tuple(t.name for t in block.outputs))
         self._dead = block.dead_outputs
+        self._dead_inputs = block.dead_inputs
 
     def release(self) -> None:
         """Free the copy, its arguments and gradient seeds now; the runner cannot run again.
@@ -154,7 +167,8 @@ class Runner:
         Also sets :attr:`transient_bytes` (backward's transient peak beyond the saved tensors),
         :attr:`fresh_extra_bytes` (what the gradients made by then add to it, [Note: gradients made by the peak]) and
         :attr:`cast_bytes` (autocast's weight copies that live into the backward, per forward; not in the saved
-        bytes returned), see [Note: transient memory].
+        bytes returned), see [Note: transient memory], and :attr:`dropped_bytes` (the saves of the block's dead
+        part, freed before backward: [Note: a dead part's saves]).
 
         Returns:
             Bytes saved for backward (weight casts excluded), and the parts of them that are the block's inputs
@@ -177,10 +191,25 @@ class Runner:
             saved_outputs = _saved(meter, self._names[1], raw)
             outputs = self._live(raw)
             output_bytes = meter.nbytes_of(outputs)
+            # a block that differentiates nothing (every output dead, or none) runs no backward: all it saved goes
+            # with its graph, held until then, of its inputs those only dead parts use ([Note: a dead part's
+            # saves]; the others live on, saved by a live block or not)
+            self.forward_only = not outputs
+            leaves = tree_leaves(inputs)
+            dead_in = (
+                [t for n, t in zip(self._names[0], leaves, strict=True) if n in self._dead_inputs]
+                if len(leaves) == len(self._names[0])
+                else []
+            )
+            dropped = meter.nbytes - meter.nbytes_of(t for t in leaves if all(t is not d for d in dead_in))
+            saved_inputs = meter.nbytes_of(dead_in) if self.forward_only else 0
+            meter.forget_freed()  # what the forward dropped itself (a router's scores that only pick the experts)
+            kept = meter.nbytes
             raw = None  # dead outputs are freed before backward, as a training step's are
-            # and with them what only they needed, as what the forward dropped itself (a router's scores that
-            # only pick the experts): their part of the graph and its saves
+            # and with them what only they needed: their part of the graph and its saves
             meter.forget_freed()
+            if not self.forward_only:
+                dropped = kept - meter.nbytes
             casts = dict(allocations.casts)  # the copies that live into the backward (it saves them)
             # the saves this block made (not its inputs'), and its outputs a step frees before this backward
             # ([Note: a block's own memory] in transient.py)
@@ -197,8 +226,10 @@ class Runner:
         saved = meter.nbytes
         saved_here = meter.nbytes_of_keys(made)  # what of the saves the meter saw allocated
         self.cast_bytes = sum(casts.values())
-        self.transient_bytes = max(0, allocations.peak - saved_here)
+        # a block that runs no backward peaks in its forward, with the inputs it saves
+        self.transient_bytes = max(0, allocations.peak - saved_here) + saved_inputs
         self.fresh_extra_bytes = max(0, allocations.fresh_peak - saved_here - self.transient_bytes)
+        self.dropped_bytes = dropped
         casts_saved = meter.nbytes_of_keys(casts)
         self.saved_names = (_saved(meter, self._names[0], inputs), saved_outputs)
         return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), output_bytes

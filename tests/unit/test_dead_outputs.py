@@ -167,3 +167,77 @@ def test_a_router_s_saves_are_the_same_in_every_profile() -> None:
     layer = next(k for k, b in enumerate(captured.blocks) if b.name == "model.layers.1")
     seen = {profile(captured, "estimate", spec="h100", blocks=[layer]).blocks[0].activation_bytes for _ in range(4)}
     assert len(seen) == 1, seen
+
+
+class _Unused(nn.Module):
+    """A trunk, a branch on it whose result nothing uses (its last block has no output: CANINE's upsampling
+    beside its classification), and a head on the trunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+        self.branch = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.LayerNorm(128))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.trunk(x)
+        self.branch(hidden)
+        return self.head(hidden)
+
+
+def _output_loss(output: Any, samples: int) -> torch.Tensor:
+    return output.square().mean()
+
+
+@pytest.mark.parametrize("mode", ["estimate", "measure"])
+def test_a_branch_nothing_uses_keeps_no_optimizer_state_and_its_saves_only_through_the_forward(mode: str) -> None:
+    """A value the forward computes and never uses ends in a block with no output: every block of its branch is
+    dead (no gradient, no optimizer state, no activations), and what they save is held by the forward alone
+    (``dropped_bytes``; the blocks that differentiate nothing are ``forward_only``). A block with no output
+    counted as live kept the rest of the branch live: CANINE's plain step read 1.228 of its peak."""
+    torch.manual_seed(0)
+    device = "meta" if mode == "estimate" else "cpu"
+    spec = "h100" if mode == "estimate" else None
+    x = torch.randn(16, 32, device=device)
+    prof = profile_model(_Unused().to(device), (x,), profile=mode, spec=spec, optimizer="adam", loss=_output_loss)
+    branch = [b for b in prof.blocks if b.name.startswith("branch")]
+    assert len(branch) >= 3, [b.name for b in prof.blocks]
+    for b in branch:
+        assert (b.optimizer_bytes, b.activation_bytes, b.unreached_grad_bytes) == (0, 0, b.grad_bytes), b
+    assert all(b.forward_only for b in branch[1:]), branch
+    assert sum(b.dropped_bytes for b in branch) >= 3 * 16 * 128 * 4  # GELU's, the Linear's and the norm's input
+    for b in prof.blocks:
+        if not b.name.startswith("branch"):
+            assert b.optimizer_bytes == 2 * b.param_bytes and not b.forward_only and b.dropped_bytes == 0, b
+
+
+def test_the_forward_peak_is_the_most_a_forward_holds_of_its_dead_parts_saves() -> None:
+    """``ForwardPeak(i, j)``: the dead parts' saves all held at the forward's end, or those made before a block that
+    runs no backward while it peaks, with the activations up to it, beyond all the activations of the stage."""
+    import random
+
+    from lightning_autopart.partition.tables import ForwardPeak
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        acts = [rng.randint(0, 100) for _ in range(n)]
+        dropped = [rng.choice([0, 0, rng.randint(0, 100)]) for _ in range(n)]
+        peaks = [rng.randint(0, 100) for _ in range(n)]
+        only = [rng.random() < 0.4 for _ in range(n)]
+        table = ForwardPeak(_prefix(acts), _prefix(dropped), peaks, only)
+        for i in range(n):
+            for j in range(i + 1, n + 1):
+                moments = [sum(dropped[i:j])] + [
+                    sum(acts[i : k + 1]) + sum(dropped[i:k]) + peaks[k] - sum(acts[i:j])
+                    for k in range(i, j)
+                    if only[k]
+                ]
+                assert table(i, j) == max(moments), (acts, dropped, peaks, only, i, j)
+
+
+def _prefix(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

@@ -149,6 +149,9 @@ def instances(
                 optimizer_us=draw(st.floats(0.0, 500.0)),
                 # autocast's weight copies, up to a large transient ([Note: weight casts] in cost.py)
                 cast_bytes=draw(st.integers(0, 300) | st.integers(0, 60000)),
+                # the saves of a dead part, held by the forward alone ([Note: a dead part's saves] in cost.py)
+                dropped_bytes=draw(st.sampled_from([0, 0]) | st.integers(0, 80000)),
+                forward_only=draw(st.sampled_from([False, False, True])),
                 saved_by_previous=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
                 # what a stage's receive buffers and held outputs share with the saved tensors
                 saved_input_share=draw(st.sampled_from([0.0, 0.3, 1.0])),
