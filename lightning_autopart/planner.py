@@ -73,7 +73,7 @@ def profile_model(
     ("32-true", "bf16-mixed", "16-mixed", "bf16-true", ...; default: the parameters' dtype).
     """
     from lightning_autopart.capture import capture as capture_model
-    from lightning_autopart.capture.batch_stats import batch_statistics
+    from lightning_autopart.capture.batch_stats import batch_statistics, mixed_samples
     from lightning_autopart.profile import profile as profile_blocks
     from lightning_autopart.profile.curves import (
         add_loss,
@@ -109,6 +109,8 @@ def profile_model(
                 f"the model captured at batch {2 * b0} has {twin.num_blocks} blocks (batch {twin.batch_size}), at "
                 f"batch {b0} {captured.num_blocks}: its structure depends on the batch size; use profile='measure'"
             )
+        if mixed := mixed_samples(captured, twin):  # [Note: values that mix samples]
+            notes["batch_mixing"] = list(mixed)
         sizes = estimate_sizes(up_to)
         result = profile_blocks(captured, **settings, progress=progress, twin=twin, sizes=sizes)
         dtypes = result.meta.get("output_dtypes")
@@ -120,6 +122,8 @@ def profile_model(
             last = size == sizes[-1]
             try:
                 at = captured if size == b0 else capture(resize_batch(example_inputs, b0, size), max_blocks)
+                if at is not captured and "batch_mixing" not in notes and (mixed := mixed_samples(captured, at)):
+                    notes["batch_mixing"] = list(mixed)  # [Note: values that mix samples]
                 _mark_dead_outputs(at, reads)
                 profiles[size] = profile_blocks(at, **settings, progress=progress if last else None)
             except (CaptureError, ProfileError) as error:
@@ -299,7 +303,7 @@ def plan_model(
         optimizer: Optimizer whose state the memory figures count ("sgd", "sgd_momentum", "adam", "adamw").
         num_stages: Pipeline stages (None: searched).
         replicas: Data-parallel replicas of every stage (None: searched; ``world // num_stages`` with stages).
-        micro_batches: Micro-batches per replica per step (None: searched).
+        micro_batches: Micro-batches per replica per step (None: searched; 1 where the forward mixes samples).
         schedules: Schedules to consider, from :data:`~lightning_autopart.plan.SCHEDULES` (None: all).
         max_blocks: Finest block count capture may split the model into.
         progress: Called as ``progress(done, total, block_name)`` while profiling.
@@ -352,6 +356,7 @@ def plan_model(
     )
     # Recorded so that a later check can capture the model into the same blocks (see check_compatible).
     return dataclasses.replace(plan, notes={**plan.notes, "max_blocks": max_blocks})
+
 
 
 def check_settings(

@@ -6,6 +6,17 @@ numbers than plain Lightning (which normalizes each replica's whole batch), and 
 one update per micro-batch. The planner cannot hide that, so the plan says so (``batch_statistics`` in its
 notes) and the strategy warns, with the fix. Layer, group, instance and RMS norms reduce within a sample and
 are unaffected.
+
+[Note: values that mix samples] A forward may combine the samples of its batch into one value: CLIP's and
+SigLIP's image-text logits are ``(batch, batch)``, each image scored against every text of the batch. Given one
+micro-batch at a time, such a model scores each image against its micro-batch's texts only: another model, and
+the loss of plain Lightning's step is not the mean of the micro-batches' (a pipeline of 4 micro-batches trained
+CLIP 55 % away from plain Lightning's losses, silently). Two captures at different batch sizes tell it: a value
+with more than one dimension that follows the batch size (:func:`mixed_samples`; one such dimension is the batch
+itself, or the batch merged with another dimension). Such a model is planned with one micro-batch per replica
+(each replica computes on its whole share, as Lightning's DDP does), and a plan asked for more is refused with the
+fix. A value that mixes samples with its shape unchanged (``x - x.mean(0)``) is not seen this way; batch norms
+are the common case of it, found by their operations above.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from torch import fx, nn
 
 from lightning_autopart.capture.graph import CapturedModel
 
-__all__ = ["batch_statistics"]
+__all__ = ["batch_statistics", "mixed_samples"]
 
 #: aten operations that normalize over the batch, by overload packet name.
 _BATCH_NORMS = frozenset(
@@ -76,3 +87,33 @@ def _named(block: Any) -> list[tuple[str, nn.Module]]:
     if isinstance(block.program, fx.GraphModule):
         return []
     return [(block.name if not name else f"{block.name}.{name}", m) for name, m in block.program.named_modules()]
+
+
+def mixed_samples(a: CapturedModel, b: CapturedModel) -> tuple[str, ...]:
+    """Where the forward combines samples into one value (see [Note: values that mix samples]): between the
+    captures ``a`` and ``b`` of one model at two batch sizes, the values with more than one dimension that follows
+    the batch size, as "block: operation (shape at a's batch)", in execution order; empty when the two captures'
+    programs cannot be matched node for node (captured by module hooks, or another structure)."""
+    found: dict[str, None] = {}
+    if a.batch_size == b.batch_size:
+        return ()
+    for x, y in zip(a.blocks, b.blocks, strict=False):
+        graphs = zip(x.program.modules(), y.program.modules(), strict=False)
+        for gx, gy in graphs:
+            if not (isinstance(gx, fx.GraphModule) and isinstance(gy, fx.GraphModule)):
+                continue
+            nodes = (list(gx.graph.nodes), list(gy.graph.nodes))
+            if len(nodes[0]) != len(nodes[1]):
+                continue
+            for p, q in zip(*nodes, strict=True):
+                if _follows_twice(p.meta.get("val"), q.meta.get("val")):
+                    found[f"{_module_of(p) or x.name}: {p.target} {tuple(p.meta['val'].shape)}"] = None
+    return tuple(found)
+
+
+def _follows_twice(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` (one value at two batch sizes) differ in more than one dimension."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim()):
+        return False
+    return sum(m != n for m, n in zip(a.shape, b.shape, strict=True)) > 1
+

@@ -212,8 +212,9 @@ def plan_for_batch(
         from lightning_autopart.plan.report import print_plan
 
         print_plan(plan)
-        if isinstance(note := plan.notes.get("batch_statistics"), str):  # [Note: batch statistics]
-            warnings.warn(f"autopart: {note}", stacklevel=2)
+        for key in ("batch_statistics", "batch_mixing"):  # [Note: batch statistics], [Note: values that mix...]
+            if isinstance(note := plan.notes.get(key), str):
+                warnings.warn(f"autopart: {note}", stacklevel=2)
         if loaded is not None:
             print(loaded_message(loaded), flush=True)
         if settings.save_plan:

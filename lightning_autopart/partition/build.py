@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_autopart.cluster import Cluster, format_bytes
-from lightning_autopart.errors import PlanError
+from lightning_autopart.errors import ConfigError, PlanError
 from lightning_autopart.partition.cost import CostTables
 from lightning_autopart.partition.placement import stage_ranks
 from lightning_autopart.partition.scoring import Evaluation
@@ -13,7 +13,7 @@ from lightning_autopart.plan import Plan, Prediction, StagePlan
 from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.records import ModelProfile
 
-__all__ = ["batch_statistics_note", "build_plan", "infeasible_error", "memory_table"]
+__all__ = ["batch_statistics_note", "build_plan", "infeasible_error", "memory_table", "mixing_note", "one_micro_batch"]
 
 #: Rows of the memory table shown before eliding the rest.
 _MAX_ROWS = 24
@@ -96,6 +96,8 @@ def build_plan(
         notes["loader"] = f"{loader.sample_us / 1e3:.3g} ms/sample, {loader.workers} workers, reads back {reads}"
     if profile.mode == "estimate" and profile.meta.get("opaque_ops"):  # priced by their bytes alone
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
+    if mixed := profile.meta.get("batch_mixing"):  # [Note: values that mix samples] in capture/batch_stats.py
+        notes["batch_mixing"] = f"{mixing_note(mixed)}: one micro-batch per replica, as more would change it"
     if mb > 1 and (norms := profile.meta.get("batch_statistics")):
         notes["batch_statistics"] = batch_statistics_note(norms, batch_size // (cfg.replicas * mb), mb)
     if ckpt:
@@ -219,3 +221,23 @@ def _fix_advice(tables: CostTables, optimizer: str) -> str:
             f"an optimizer with less state than {optimizer!r} (e.g. 'sgd') saves {format_bytes(tables.optim[-1])}"
         )
     return "; ".join(advice)
+
+
+def mixing_note(mixed: list[str]) -> str:
+    """What a model whose forward mixes samples does, in a phrase (``mixed``: ``mixed_samples`` in
+    capture/batch_stats.py)."""
+    shown = "; ".join(mixed[:2]) + (f" and {len(mixed) - 2} more" if len(mixed) > 2 else "")
+    return f"the forward combines samples of the batch into one value ({shown})"
+
+
+def one_micro_batch(mixed: list[str], requested: int | None) -> int:
+    """1, the micro-batches per replica of a model whose forward mixes samples ([Note: values that mix samples]
+    in capture/batch_stats.py); ConfigError, with the fix, where ``requested`` is more."""
+    if requested is not None and requested > 1:
+        raise ConfigError(
+            f"micro_batches={requested}, but {mixing_note(mixed)}: each micro-batch would see only its own "
+            "samples (an image scored against its micro-batch's texts alone), and training would differ from "
+            "plain Lightning's. Pass micro_batches=1 (or leave it unset), or compute that value outside the "
+            "pipelined forward"
+        )
+    return 1

@@ -189,13 +189,13 @@ def _summary(plan: Plan) -> Table:
         ),
     )
     grid.add_row("Profile", f"{plan.profile_mode} on {plan.device}; schema version {plan.schema_version}")
-    for key, title in (("checkpointing", "Checkpointing"), ("batch_statistics", "Batch norm")):
+    for key, title in (("checkpointing", "Checkpointing"), ("batch_statistics", "Batch norm"), ("batch_mixing", "Batch")):
         if isinstance(plan.notes.get(key), str):
             grid.add_row(title, plan.notes[key])
     notes = [
         f"{k}={v}"
         for k, v in sorted(plan.notes.items())
-        if k not in ("checkpointing", "batch_statistics")
+        if k not in ("checkpointing", "batch_statistics", "batch_mixing")
         and (isinstance(v, int | float | bool) or (isinstance(v, str) and len(v) <= 40))
     ]
     if notes:

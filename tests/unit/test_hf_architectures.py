@@ -34,6 +34,7 @@ def test_built_on_meta_it_is_planned_in_estimate_mode(name: str) -> None:
     assert plan.num_stages == 2 and len(blocks) >= 4, blocks
     assert all(s.fwd_us > 0 and s.bwd_us > 0 for s in plan.stages)
     assert plan.prediction.step_us > 0
+    assert "batch_mixing" not in plan.notes, plan.notes["batch_mixing"]  # [Note: values that mix samples]
 
 
 def test_a_mixtures_experts_are_priced() -> None:
