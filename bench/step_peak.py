@@ -10,8 +10,8 @@ runs (a GPU's autocast keeps ``pow``, softmax and norms in float32; a CPU's does
 
 Each architecture is built from its tiny config with its widths multiplied by ``--widen`` (hidden sizes and
 feed-forward sizes), every dropout off, at a batch of 8 with its token sequences doubled. A LightningModule
-trains it with a loss on its logits (or last hidden state) and the optimizer run as on a GPU (``foreach=True``;
-the CPU's default loops one tensor at a time). Predicted: ``tests/unit/test_step_peak.predicted_peak`` (one
+trains it with a loss on its logits (or its first output: a last hidden state, CLIP's image-text logits) and
+the optimizer run as on a GPU (``foreach=True``; the CPU's default loops one tensor at a time). Predicted: ``tests/unit/test_step_peak.predicted_peak`` (one
 device of ``--spec``, planned as the strategy plans, the optimizer measured). Measured: the peak tensor bytes
 of plain Lightning's batches 2 and 3 (``tests.step_peak.StepPeak``: what ``torch.cuda.max_memory_allocated``
 sees, on any device). Prints a markdown table and the worst ratio; the goal is issue 9's 10% for estimate mode.
@@ -94,7 +94,7 @@ class Trained(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(**batch)
-        y = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+        y = out.logits if getattr(out, "logits", None) is not None else out[0]  # else its first output
         return y.float().square().mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
