@@ -121,7 +121,7 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
     opcount.py); the fixed part of a phase is its kernel count times ``launch_us``. Saved-tensor bytes and
     backward's transient peak are metered as in measure mode.
     """
-    counter, saved, memory, names = _counted(block, precision, roofline, keep_ops=False)
+    counter, saved, memory, names, _ = _counted(block, precision, roofline, keep_ops=False)
     fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
     fixed = (fwd.kernels * roofline.launch_us, bwd.kernels * roofline.launch_us)
     return BlockCost.of(counter, saved, (fwd.time_us, bwd.time_us), fixed, memory, names)
@@ -129,10 +129,16 @@ def estimate_block(block: Block, precision: Precision, roofline: Roofline) -> Bl
 
 def _counted(
     block: Block, precision: Precision, roofline: Roofline, *, keep_ops: bool
-) -> tuple[OpCounter, tuple[int, int, int], tuple[int, ...], tuple[frozenset[str], frozenset[str]]]:
+) -> tuple[
+    OpCounter,
+    tuple[int, int, int],
+    tuple[int, ...],
+    tuple[frozenset[str], frozenset[str]],
+    tuple[tuple[int, ...], int],
+]:
     """A counted forward and backward of a meta copy of ``block``, its saved bytes as ``Runner.counted_run``
-    returns them, and its (transient, cast, fresh extra, dropped) bytes and whether it ran no backward (see
-    estimate_block)."""
+    returns them, its (transient, cast, fresh extra, dropped) bytes and whether it ran no backward (see
+    estimate_block), the names of what it saved, and the moments of its transient (``Runner.moments``)."""
     if precision.mixed and precision.compute is not None:
         runner = Runner(block, _META, precision)  # float32 weights, autocast's casts (see MetaAutocast)
         runner.context = partial(_mixed, precision.compute, roofline.kernels)
@@ -148,7 +154,7 @@ def _counted(
         runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes, runner.dropped_bytes,
         int(runner.forward_only),
     )  # fmt: skip
-    return counter, saved, memory, runner.saved_names
+    return counter, saved, memory, runner.saved_names, runner.moments
 
 
 @contextlib.contextmanager
@@ -184,6 +190,25 @@ def _affine(at_a: float, at_b: float, a: int, b: int) -> Callable[[int], float]:
 def _affine_int(at_a: int, at_b: int, a: int, b: int) -> Callable[[int], int]:
     """The same for integers (exact while the quantity is affine in whole samples), never below 0."""
     return lambda x: max(0, round((at_a * (b - x) + at_b * (x - a)) / (b - a)))
+
+
+def _peak_line(
+    moments_a: tuple[tuple[int, ...], int], moments_b: tuple[tuple[int, ...], int], a: int, b: int
+) -> Callable[[int], int] | None:
+    """The transient at any batch from two runs' moments (``Runner.moments``) at batches ``a`` and ``b``: the
+    largest of each moment's line ([Note: a peak's moments] in transient.py); None where the runs' operations do
+    not pair one to one."""
+    (xs, inputs_a), (ys, inputs_b) = moments_a, moments_b
+    if not xs or len(xs) != len(ys):
+        return None
+    pairs = set(zip(xs, ys, strict=True))
+    inputs = _affine_int(inputs_a, inputs_b, a, b)
+
+    def at(n: int) -> int:
+        top = max(round((x * (b - n) + y * (n - a)) / (b - a)) for x, y in pairs)
+        return max(0, top) + inputs(n)
+
+    return at
 
 
 def _same_graph(ops_a: list[OpRecord], ops_b: list[OpRecord]) -> bool:
@@ -261,9 +286,10 @@ def estimate_curve(
             inputs by :func:`batch_sizes`.
         cut_bytes: Bytes crossing the cut after the block at ``a`` and at ``b`` (the captured model's
             ``cuts[index]``, which a block alone does not know); the curve's ``cut_bytes`` is their line.
-        transient_bytes: Backward's transient peak at ``a`` and at ``b``; default: as the two runs metered it
-            (``Runner.transient_bytes``). The curve's is their line: a peak is the largest of several
-            affine amounts, so between and beyond the two sizes this is an approximation.
+        transient_bytes: Backward's transient peak at ``a`` and at ``b``, whose line the curve follows; default:
+            the largest of the lines of the two runs' moments, what is alive after each of their paired
+            operations ([Note: a peak's moments] in transient.py; the line of their peaks where the runs do
+            not pair).
 
     Returns:
         ``(samples, fwd_us, bwd_us, activation_bytes, transient_bytes, cut_bytes)`` per size, ascending and
@@ -279,11 +305,13 @@ def estimate_curve(
     if points and points[0] < 1:
         raise ConfigError(f"cost curve sizes must be at least 1 sample, got {points[0]}")
     roofline = spec if isinstance(spec, Roofline) else Roofline.of(spec, precision.compute_name, waves=True)
-    run_a, saved_a, memory_a, _ = _counted(block_a, precision, roofline, keep_ops=True)
-    run_b, saved_b, memory_b, _ = _counted(block_b, precision, roofline, keep_ops=True)
+    run_a, saved_a, memory_a, _, moments_a = _counted(block_a, precision, roofline, keep_ops=True)
+    run_b, saved_b, memory_b, _, moments_b = _counted(block_b, precision, roofline, keep_ops=True)
     activation = _affine_int(saved_a[0], saved_b[0], a, b)
     cut = _affine_int(cut_bytes[0], cut_bytes[1], a, b)
     transient = _affine_int(*(transient_bytes or (memory_a[0], memory_b[0])), a, b)
+    if transient_bytes is None:  # the largest of the moments' lines: [Note: a peak's moments] in transient.py
+        transient = _peak_line(moments_a, moments_b, a, b) or transient
 
     phase_time: dict[str, Callable[[int], float]] = {}
     if _same_graph(run_a.ops, run_b.ops):

@@ -126,6 +126,10 @@ class Runner:
         #: backward ([Note: a dead part's saves]).
         self.dropped_bytes = 0
         self.forward_only = False
+        #: The bytes alive after each operation of the last :meth:`counted_run` beyond the saves it allocated,
+        #: and the inputs a forward-only block saves: ``transient_bytes`` is ``max(0, *moments) + inputs``
+        #: ([Note: a peak's moments] in transient.py).
+        self.moments: tuple[tuple[int, ...], int] = ((), 0)
         #: Names of the block's inputs and outputs that the last :meth:`counted_run` saved for backward.
         self.saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._names = (tuple(t.name for t in block.inputs), tuple(t.name for t in block.outputs))
@@ -176,7 +180,7 @@ class Runner:
         """
         state = state_tensors(self.program)
         meter = SavedTensorMeter(exclude=state)
-        allocations = AllocationMeter(state)
+        allocations = AllocationMeter(state, moments=True)
         for p in self.program.parameters():  # gradients are state: backward accumulates into them
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -228,6 +232,7 @@ class Runner:
         self.cast_bytes = sum(casts.values())
         # a block that runs no backward peaks in its forward, with the inputs it saves
         self.transient_bytes = max(0, allocations.peak - saved_here) + saved_inputs
+        self.moments = (tuple(n - saved_here for n in allocations.moments or ()), saved_inputs)
         self.fresh_extra_bytes = max(0, allocations.fresh_peak - saved_here - self.transient_bytes)
         self.dropped_bytes = dropped
         casts_saved = meter.nbytes_of_keys(casts)
