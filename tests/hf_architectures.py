@@ -76,6 +76,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8, "laurel_rank": 4,
         "altup_num_inputs": 2, "num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 6, "activation_sparsity_pattern": [0.0, 0.0],
+        "pad_token_id": 63,  # above the tiers' ids: a pad at position 0 stays zero, and AltUp's norm of it is NaN
     }, _TOKENS),
     "gptj": Architecture("GPTJConfig", "GPTJForCausalLM", {
         "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 32, "rotary_dim": 4,
