@@ -10,12 +10,12 @@ from torch.utils import _pytree as pytree
 
 __all__ = ["MIXED_DEVICES", "Glue", "first_line", "forward_message", "glue_message", "mixes_devices"]
 
-#: What a forward that mixes devices is told: the likely cause and the fix. Not a meta limitation: on a GPU the
-#: same forward fails alike (a CPU tensor beside CUDA ones), and where a model's own parameter or buffer is the
-#: CPU tensor (a legacy constructor under ``torch.device("meta")``) capture already moves it (see [Note: tensors
-#: the meta device missed] in strays.py).
+#: What a forward that mixes devices is told (a clause, appended after "; "): the likely cause and the fix. Not a
+#: meta limitation: on a GPU the same forward fails alike (a CPU tensor beside CUDA ones), and where a model's own
+#: parameter or buffer is the CPU tensor (a legacy constructor under ``torch.device("meta")``) capture already
+#: moves it (see [Note: tensors the meta device missed] in strays.py).
 MIXED_DEVICES = (
-    "The forward mixes tensors on two devices: a tensor it makes without a device (torch.arange(n), "
+    "the forward mixes tensors on two devices: a tensor it makes without a device (torch.arange(n), "
     "torch.zeros(...), torch.tensor([...])) is on the CPU whatever device the model is on, and a GPU run fails "
     "the same way; make it on the device of the tensors it meets (device=x.device, or .to(x.device))"
 )
@@ -78,7 +78,7 @@ def forward_message(
         t for t in (*pytree.tree_leaves((args, kwargs)), *module.parameters()) if isinstance(t, torch.Tensor)
     ]
     if mixes_devices(error):
-        text += f". {MIXED_DEVICES}"
+        text += f"; {MIXED_DEVICES}"
     elif any(t.is_meta for t in tensors):
         text += (
             ". On the meta device forward cannot run data-dependent code (such as `if x.sum() > 0`): capture "

@@ -19,7 +19,7 @@ from lightning_autopart.profile.gemms import Gemm
 from lightning_autopart.profile.opcount import OpCounter, OpRecord, Roofline
 from lightning_autopart.profile.precision import Precision
 from lightning_autopart.profile.records import CostPoint
-from lightning_autopart.profile.runner import BlockCost, Runner
+from lightning_autopart.profile.runner import BlockCost, RunMemory, Runner
 
 __all__: list[str] = []
 
@@ -132,13 +132,12 @@ def _counted(
 ) -> tuple[
     OpCounter,
     tuple[int, int, int],
-    tuple[int, ...],
+    RunMemory,
     tuple[frozenset[str], frozenset[str]],
     tuple[tuple[int, ...], int],
 ]:
     """A counted forward and backward of a meta copy of ``block``, its saved bytes as ``Runner.counted_run``
-    returns them, its (transient, cast, fresh extra, dropped) bytes and whether it ran no backward (see
-    estimate_block), the names of what it saved, and the moments of its transient (``Runner.moments``)."""
+    returns them, what it held beyond them (``Runner.memory``), the names of what it saved, and the moments of its transient (``Runner.moments``)."""
     if precision.mixed and precision.compute is not None:
         runner = Runner(block, _META, precision)  # float32 weights, autocast's casts (see MetaAutocast)
         runner.context = partial(_mixed, precision.compute, roofline.kernels)
@@ -150,11 +149,7 @@ def _counted(
         saved = runner.counted_run(counter)
     finally:
         runner.release()  # see [Note: no copy outlives the profiler] in sandbox.py
-    memory = (
-        runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes, runner.dropped_bytes,
-        int(runner.forward_only),
-    )  # fmt: skip
-    return counter, saved, memory, runner.saved_names, runner.moments
+    return counter, saved, runner.memory(), runner.saved_names, runner.moments
 
 
 @contextlib.contextmanager
@@ -309,7 +304,7 @@ def estimate_curve(
     run_b, saved_b, memory_b, _, moments_b = _counted(block_b, precision, roofline, keep_ops=True)
     activation = _affine_int(saved_a[0], saved_b[0], a, b)
     cut = _affine_int(cut_bytes[0], cut_bytes[1], a, b)
-    transient = _affine_int(*(transient_bytes or (memory_a[0], memory_b[0])), a, b)
+    transient = _affine_int(*(transient_bytes or (memory_a.transient, memory_b.transient)), a, b)
     if transient_bytes is None:  # the largest of the moments' lines: [Note: a peak's moments] in transient.py
         transient = _peak_line(moments_a, moments_b, a, b) or transient
 

@@ -59,7 +59,7 @@ def failure_hint(block: Block, mode: str, error: BaseException) -> str:
     with ``error``: the cause as far as it can be told, and the fix."""
     text = str(error)
     if mixes_devices(error):
-        return f"; {MIXED_DEVICES[0].lower()}{MIXED_DEVICES[1:]}"
+        return f"; {MIXED_DEVICES}"
     if mode == "estimate" and (
         "meta" in text.lower() or "data-dependent" in text or isinstance(error, NotImplementedError)
     ):

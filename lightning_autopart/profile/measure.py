@@ -15,7 +15,7 @@ from lightning_autopart.profile import cuda_clock
 from lightning_autopart.profile.cuda_clock import CudaClock
 from lightning_autopart.profile.opcount import OpCounter
 from lightning_autopart.profile.precision import Precision
-from lightning_autopart.profile.runner import BlockCost, Runner
+from lightning_autopart.profile.runner import BlockCost, RunMemory, Runner
 from lightning_autopart.profile.sandbox import clear_grads, fresh_inputs
 
 __all__ = ["backward_handoff_us", "trimmed_mean"]
@@ -75,7 +75,7 @@ def measure_blocks(
     runners: list[Runner] = []
     counters: list[OpCounter] = []
     saved: list[tuple[int, int, int]] = []
-    memory: list[tuple[int, ...]] = []
+    memory: list[RunMemory] = []
     names: list[tuple[frozenset[str], frozenset[str]]] = []
     fwd_times: list[list[float]] = [[] for _ in blocks]
     bwd_times: list[list[float]] = [[] for _ in blocks]
@@ -90,10 +90,7 @@ def measure_blocks(
                 runners.append(runner)
                 counter = OpCounter()
                 saved.append(runner.counted_run(counter))
-                memory.append((
-                    runner.transient_bytes, runner.cast_bytes, runner.fresh_extra_bytes, runner.dropped_bytes,
-                    int(runner.forward_only),
-                ))  # fmt: skip
+                memory.append(runner.memory())
                 names.append(runner.saved_names)
             except Exception as error:
                 raise BlockFailed(i, error) from error

@@ -31,6 +31,22 @@ __all__: list[str] = []
 
 
 @dataclass(frozen=True, slots=True)
+class RunMemory:
+    """What one counted run of a block (:meth:`Runner.counted_run`) held beyond its saved tensors, in bytes."""
+
+    #: Backward's transient peak beyond the saved tensors ([Note: transient memory]).
+    transient: int = 0
+    #: Autocast's weight copies that live into the backward, per forward.
+    cast: int = 0
+    #: What the gradients made by the peak add to it ([Note: gradients made by the peak]).
+    fresh_extra: int = 0
+    #: The saves of the block's dead part, freed before backward ([Note: a dead part's saves]).
+    dropped: int = 0
+    #: Whether the block differentiates nothing (runs no backward).
+    forward_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class BlockCost:
     """What a profiler learns about one block, before static memory is added."""
 
@@ -73,13 +89,12 @@ class BlockCost:
         saved: tuple[int, int, int],
         times_us: tuple[float, float],
         fixed_us: tuple[float, float],
-        memory: tuple[int, ...] = (0, 0, 0, 0, 0),
+        memory: RunMemory = RunMemory(),
         saved_names: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
         host_us: tuple[float, float] = (0.0, 0.0),
     ) -> BlockCost:
-        """A cost from a counted run (FLOPs, kernels, ``saved`` bytes as ``counted_run`` returns them), times, and
-        ``memory``: the run's (transient, cast, fresh extra, dropped) bytes and whether it ran no backward (1 or
-        0)."""
+        """A cost from a counted run: FLOPs and kernels, ``saved`` bytes and ``memory`` as ``counted_run`` leaves
+        them, and times."""
         fwd, bwd = counter.counts["fwd"], counter.counts["bwd"]
         return cls(
             fwd_us=times_us[0],
@@ -93,11 +108,11 @@ class BlockCost:
             bwd_flops=bwd.flops,
             fwd_kernels=fwd.kernels,
             bwd_kernels=bwd.kernels,
-            transient_bytes=memory[0],
-            cast_bytes=memory[1],
-            fresh_extra_bytes=memory[2],
-            dropped_bytes=memory[3] if len(memory) > 3 else 0,
-            forward_only=bool(memory[4]) if len(memory) > 4 else False,
+            transient_bytes=memory.transient,
+            cast_bytes=memory.cast,
+            fresh_extra_bytes=memory.fresh_extra,
+            dropped_bytes=memory.dropped,
+            forward_only=memory.forward_only,
             saved_names=saved_names,
             host_us=host_us,
             opaque_ops=frozenset(counter.opaque),
@@ -238,6 +253,12 @@ class Runner:
         casts_saved = meter.nbytes_of_keys(casts)
         self.saved_names = (_saved(meter, self._names[0], inputs), saved_outputs)
         return saved - casts_saved, meter.nbytes_of(tree_leaves(inputs)), output_bytes
+
+    def memory(self) -> RunMemory:
+        """What the last :meth:`counted_run` held beyond its saved tensors."""
+        return RunMemory(
+            self.transient_bytes, self.cast_bytes, self.fresh_extra_bytes, self.dropped_bytes, self.forward_only
+        )
 
 
 def _saved(meter: SavedTensorMeter, names: tuple[str, ...], values: Any) -> frozenset[str]:
