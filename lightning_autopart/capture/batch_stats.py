@@ -11,12 +11,14 @@ are unaffected.
 SigLIP's image-text logits are ``(batch, batch)``, each image scored against every text of the batch. Given one
 micro-batch at a time, such a model scores each image against its micro-batch's texts only: another model, and
 the loss of plain Lightning's step is not the mean of the micro-batches' (a pipeline of 4 micro-batches trained
-CLIP 55 % away from plain Lightning's losses, silently). Two captures at different batch sizes tell it: a value
-with more than one dimension that follows the batch size (:func:`mixed_samples`; one such dimension is the batch
-itself, or the batch merged with another dimension). Such a model is planned with one micro-batch per replica
-(each replica computes on its whole share, as Lightning's DDP does), and a plan asked for more is refused with the
-fix. A value that mixes samples with its shape unchanged (``x - x.mean(0)``) is not seen this way; batch norms
-are the common case of it, found by their operations above.
+CLIP 55 % away from plain Lightning's losses, silently). A ``training_step`` may do the same with the model's
+output (a contrastive loss's ``z @ y.T``: 31 % lower losses with 4 micro-batches), and a forward or a step may
+compute a statistic of the batch back into its samples (``x - x.mean(0)``, a Barlow Twins loss). Two runs at
+different batch sizes tell all of these ([Note: sample flow] in sample_flow.py): :func:`mixed_samples` compares
+two captures of the forward node by node, ``loss_mixing`` (profile/loss.py) two traces of the step's loss. Such
+a model is planned with one micro-batch per replica (each replica computes on its whole share, as Lightning's
+DDP does), and a plan asked for more is refused with the fix. Batch norms are found by their operations above
+(they combine the batch inside one), and keep their micro-batches with a warning, as GPipe trains them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import fx, nn
 
 from lightning_autopart.capture.graph import CapturedModel
+from lightning_autopart.capture.sample_flow import SampleFlow, walk_graph
 
 __all__ = ["batch_statistics", "mixed_samples"]
 
@@ -90,30 +93,38 @@ def _named(block: Any) -> list[tuple[str, nn.Module]]:
 
 
 def mixed_samples(a: CapturedModel, b: CapturedModel) -> tuple[str, ...]:
-    """Where the forward combines samples into one value (see [Note: values that mix samples]): between the
-    captures ``a`` and ``b`` of one model at two batch sizes, the values with more than one dimension that follows
-    the batch size, as "block: operation (shape at a's batch)", in execution order; empty when the two captures'
-    programs cannot be matched node for node (captured by module hooks, or another structure)."""
-    found: dict[str, None] = {}
+    """Where the forward mixes samples (see [Note: values that mix samples] and [Note: sample flow]): between
+    the captures ``a`` and ``b`` of one model at two batch sizes, the values with more than one dimension that
+    follows the batch size, and the per-sample values computed from a value over the whole batch, as "block:
+    operation (shape at a's batch)", in execution order; nothing where the two captures' programs cannot be
+    matched node for node (captured by module hooks, or another structure)."""
     if a.batch_size == b.batch_size:
         return ()
+    flow = SampleFlow()
     for x, y in zip(a.blocks, b.blocks, strict=False):
-        graphs = zip(x.program.modules(), y.program.modules(), strict=False)
-        for gx, gy in graphs:
+
+        def where(node: fx.Node, block: str = x.name) -> str:
+            return f"{_module_of(node) or block}: {node.target}"
+
+        top = x.program if isinstance(x.program, fx.GraphModule) else None
+        for gx, gy in zip(x.program.modules(), y.program.modules(), strict=False):
             if not (isinstance(gx, fx.GraphModule) and isinstance(gy, fx.GraphModule)):
                 continue
-            nodes = (list(gx.graph.nodes), list(gy.graph.nodes))
-            if len(nodes[0]) != len(nodes[1]):
-                continue
-            for p, q in zip(*nodes, strict=True):
-                if _follows_twice(p.meta.get("val"), q.meta.get("val")):
-                    found[f"{_module_of(p) or x.name}: {p.target} {tuple(p.meta['val'].shape)}"] = None
-    return tuple(found)
+            inputs = [t.name for t in x.inputs] if gx is top else []
+            if walk_graph(flow, gx.graph, gy.graph, where, inputs) and gx is top:
+                _name_outputs(flow, gx.graph, [t.name for t in x.outputs])
+    return tuple(f"{place}, from a value over the whole batch" if kind == "statistics" else place
+                 for place, kind in flow.found.items())  # fmt: skip
 
 
-def _follows_twice(a: Any, b: Any) -> bool:
-    """Whether tensors ``a`` and ``b`` (one value at two batch sizes) differ in more than one dimension."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim()):
-        return False
-    return sum(m != n for m, n in zip(a.shape, b.shape, strict=True)) > 1
-
+def _name_outputs(flow: SampleFlow, graph: fx.Graph, names: list[str]) -> None:
+    """Give the values a block returns the kinds of the nodes that make them, under the names later blocks read
+    them by."""
+    returned = [n for n in graph.nodes if n.op == "output"]
+    if not returned:
+        return
+    values = returned[0].args[0]
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    for name, node in zip(names, values, strict=False):
+        if isinstance(node, fx.Node) and node in flow.kinds:
+            flow.kinds[name] = flow.kinds[node]

@@ -224,20 +224,25 @@ def _fix_advice(tables: CostTables, optimizer: str) -> str:
 
 
 def mixing_note(mixed: list[str]) -> str:
-    """What a model whose forward mixes samples does, in a phrase (``mixed``: ``mixed_samples`` in
-    capture/batch_stats.py)."""
-    shown = "; ".join(mixed[:2]) + (f" and {len(mixed) - 2} more" if len(mixed) > 2 else "")
-    return f"the forward combines samples of the batch into one value ({shown})"
+    """What a model whose forward or training step mixes samples does, in a phrase (``mixed``: places as
+    ``mixed_samples`` in capture/batch_stats.py and ``loss_mixing`` in profile/loss.py name them)."""
+    step = "training_step: "
+    in_step = [m.startswith(step) for m in mixed]
+    who = "training_step" if all(in_step) else "the forward and training_step" if any(in_step) else "the forward"
+    places = [m.removeprefix(step) for m in mixed]
+    shown = "; ".join(places[:2]) + (f" and {len(places) - 2} more" if len(places) > 2 else "")
+    return f"{who} combines samples of the batch into one value ({shown})"
 
 
 def one_micro_batch(mixed: list[str], requested: int | None) -> int:
-    """1, the micro-batches per replica of a model whose forward mixes samples ([Note: values that mix samples]
-    in capture/batch_stats.py); ConfigError, with the fix, where ``requested`` is more."""
+    """1, the micro-batches per replica of a model whose forward or training step mixes samples ([Note: values
+    that mix samples] in capture/batch_stats.py); ConfigError, with the fix, where ``requested`` is more."""
     if requested is not None and requested > 1:
         raise ConfigError(
             f"micro_batches={requested}, but {mixing_note(mixed)}: each micro-batch would see only its own "
-            "samples (an image scored against its micro-batch's texts alone), and training would differ from "
-            "plain Lightning's. Pass micro_batches=1 (or leave it unset), or compute that value outside the "
-            "pipelined forward"
+            "samples (a sample scored against its micro-batch's alone, a statistic of the batch taken over a "
+            "micro-batch), and training would differ from plain Lightning's. Pass micro_batches=1 (or leave it "
+            "unset: each replica then computes on its whole share, as DDP does), or compute that value outside "
+            "the pipelined step"
         )
     return 1

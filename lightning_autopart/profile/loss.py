@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_autopart.capture.sample_flow import RecordOps, Trace, trace_flow
 from lightning_autopart.profile.autocast_meta import MetaAutocast
 from lightning_autopart.profile.opcount import OpCounter, Roofline
 from lightning_autopart.profile.precision import lightning_autocast
@@ -32,7 +34,7 @@ from lightning_autopart.profile.records import ModelProfile
 from lightning_autopart.profile.saved import SavedTensorMeter
 from lightning_autopart.profile.transient import AllocationMeter
 
-__all__ = ["LossCost", "LossFn", "batch_bytes", "loss_context", "profile_loss"]
+__all__ = ["LossCost", "LossFn", "batch_bytes", "loss_context", "loss_mixing", "profile_loss"]
 
 #: ``loss(output, samples)``: the training loss of ``samples`` samples given the model's output for them.
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -175,3 +177,39 @@ def batch_bytes(loss: object, dtype: torch.dtype | None = None) -> float | None:
             itemsize = dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size()
             total += t.numel() * itemsize
     return total / size
+
+
+def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str, ...]:
+    """Where the training loss mixes samples (a contrastive loss's ``(batch, batch)`` scores, a normalization
+    over the batch; see [Note: sample flow] in capture/sample_flow.py), as "training_step: operation (shape)":
+    ``loss`` traced at the two smallest sizes of ``outputs`` (the model's output by batch size) up to ``limit``,
+    on fake tensors (no memory) on the batch's device. Nothing where it cannot tell: fewer than two sizes, or a
+    loss that needs values (``.item()``) or does not trace alike at both."""
+    sizes = sorted(n for n in outputs if n <= limit)
+    sizes = [n for n in sizes if n > 1][:2] if len([n for n in sizes if n > 1]) > 1 else sizes[:2]
+    if len(sizes) < 2:
+        return ()
+    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
+    device = batch[0].device if batch else torch.device("cpu")
+    traces = []
+    try:
+        for n in sizes:
+            trace = Trace()
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                fake = tree_map(lambda t: _fake_like(t, device), outputs[n])
+                with RecordOps(trace):
+                    loss(fake, n)
+            traces.append(trace)
+    except Exception:  # user code that needs values: nothing can be told
+        return ()
+    finally:
+        _drop_slice(loss)
+    return trace_flow(traces[0], traces[1], "training_step") or ()
+
+
+def _fake_like(t: Any, device: torch.device) -> Any:
+    """An empty tensor of ``t``'s shape and dtype on ``device`` (inside a fake mode: no memory), needing a
+    gradient where it is floating, as the model's output does; other leaves as they are."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.is_floating_point())
