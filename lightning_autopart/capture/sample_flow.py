@@ -19,6 +19,8 @@ data parallelism average already. An aggregate of integer or boolean values alon
 expert of a mixture receives and the offsets of their groups, a flag that some value is infinite) routes or
 guards samples without changing one by another's values, so only a floating one (a statistic) counts: the 19
 mixtures of experts of the Hugging Face sweeps that group tokens by expert route by counts, and are not found.
+A value converted to another dtype keeps its kind: those mixtures count their tokens with a histogram of the
+expert indices converted to float.
 Operations that read only the shape of their inputs (``zeros_like``) carry no value from them. Batch norms are
 found by their operations instead (``batch_statistics`` in batch_stats.py): they combine the batch inside one
 operation. A statistic that is only transformed (``sqrt(x.var(0))``, a VICReg variance term) is not found.
@@ -47,6 +49,11 @@ _SHAPE_ONLY = frozenset(
     }
 )  # fmt: skip
 
+#: Operations that convert their input to another dtype, by overload packet name.
+_CONVERSIONS = frozenset(
+    {"to", "_to_copy", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision", "convert_element_type"}
+)
+
 #: The kinds of value: per-sample (floating, or integer or boolean), and aggregates: a statistic (reduced from
 #: floating per-sample values: a mean over the batch) or a count (from integer or boolean ones alone: how many
 #: tokens each expert gets, whether any value is infinite).
@@ -69,9 +76,12 @@ class SampleFlow:
     kinds: dict[Hashable, str] = field(default_factory=dict)
     found: dict[str, str] = field(default_factory=dict)
 
-    def step(self, where: str, inputs: Iterable[Hashable], outputs: Iterable[tuple[Hashable, Any, Any]]) -> None:
+    def step(
+        self, where: str, inputs: Iterable[Hashable], outputs: Iterable[tuple[Hashable, Any, Any]], same: bool = False
+    ) -> None:
         """One operation at ``where``: the keys of the values it reads, and each value it makes as ``(key,
-        value at batch a, value at batch b)``."""
+        value at batch a, value at batch b)``; ``same``: it passes its input on (in another dtype, or under
+        another name), which keeps its kind (expert indices converted to float for a histogram stay indices)."""
         read = {self.kinds.get(key) for key in inputs}
         for key, a, b in outputs:
             follows = _following(a, b)
@@ -82,7 +92,10 @@ class SampleFlow:
             if follows:
                 if _STATISTIC in read:
                     self.found.setdefault(f"{where} {tuple(a.shape)}", "statistics")
-                self.kinds[key] = _VALUES if a.is_floating_point() or a.is_complex() else _INDICES
+                if same and read & {_VALUES, _INDICES}:
+                    self.kinds[key] = _VALUES if _VALUES in read else _INDICES
+                else:
+                    self.kinds[key] = _VALUES if a.is_floating_point() or a.is_complex() else _INDICES
             elif read & {_VALUES, _STATISTIC}:
                 self.kinds[key] = _STATISTIC
             elif read & {_INDICES, _COUNT}:
@@ -120,12 +133,12 @@ def walk_graph(flow: SampleFlow, ga: fx.Graph, gb: fx.Graph, where: Callable[[fx
         va, vb = p.meta.get("val"), q.meta.get("val")
         if p.op == "placeholder":
             outer = next(placeholders, None)
-            flow.step(where(p), () if outer is None else (outer,), [(p, va, vb)])
+            flow.step(where(p), () if outer is None else (outer,), [(p, va, vb)], same=True)
         elif p.op == "output":
             continue
         elif p.target is operator.getitem and isinstance(p.args[0], fx.Node):
             source = p.args[0]
-            flow.step(where(p), [(source, p.args[1])], [(p, va, vb)])
+            flow.step(where(p), [(source, p.args[1])], [(p, va, vb)], same=True)
         else:
             read = [] if _name(p.target) in _SHAPE_ONLY else list(_node_keys((p.args, p.kwargs)))
             if isinstance(va, (tuple, list)) and isinstance(vb, (tuple, list)) and len(va) == len(vb):
@@ -136,7 +149,7 @@ def walk_graph(flow: SampleFlow, ga: fx.Graph, gb: fx.Graph, where: Callable[[fx
                 if strongest is not None:  # a consumer of the whole tuple reads what its parts are
                     flow.kinds[p] = strongest
             else:
-                flow.step(where(p), read, [(p, va, vb)])
+                flow.step(where(p), read, [(p, va, vb)], same=_name(p.target) in _CONVERSIONS)
     return True
 
 
@@ -187,6 +200,6 @@ def trace_flow(a: Trace, b: Trace, where: str) -> tuple[str, ...] | None:
                 flow.step(f"{where}: input", (), [(keys[ia], a.tensors.get(ia), b.tensors.get(ib))])
         read = [keys[ia] for ia in read_a]
         outputs = [(f"op{i}.{j}", ta, tb) for j, (ta, tb) in enumerate(zip(out_a, out_b, strict=True))]
-        flow.step(f"{where}: {name}", read, outputs)
+        flow.step(f"{where}: {name}", read, outputs, same=name in _CONVERSIONS)
         keys.update((id(ta), key) for (key, ta, _) in outputs)
     return flow.mixed()

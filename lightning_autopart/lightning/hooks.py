@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -280,6 +280,7 @@ class StepLoss:
         #: ``profile_loss`` leaves out of the loss's saved bytes: the batch is priced on its own).
         self.sliced: Any = ()
         self._placed: tuple[torch.device, Any] | None = None
+        self._tracing = False
 
     def place(self, device: torch.device | None) -> None:
         """Hold the batch on ``device`` (None: forget it), so that a call there reads a view of it, as the last
@@ -300,7 +301,8 @@ class StepLoss:
         self.sliced = part
         root = module.get_submodule(self.root_name) if self.root_name else module
         watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
-        with replaced_forward(root, output), _patched_log(module, self._log), _metrics_kept(module), watch:
+        kept = nullcontext() if self._tracing else _metrics_kept(module)  # no metric updates while traced
+        with replaced_forward(root, output), _patched_log(module, self._log), kept, watch:
             out = module.training_step(part, 0)
         self.reads.seen = True
         value = out.get("loss") if isinstance(out, dict) else out
@@ -310,11 +312,31 @@ class StepLoss:
             )
         return value
 
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors (``loss_mixing``
+        in profile/loss.py), which hold no values for a metric to count, and a metric changes nothing the loss
+        computes."""
+        with ExitStack() as stack:
+            for m in self.module.modules():
+                if is_metric(m):
+                    stack.enter_context(_instance_attribute(m, "forward", _no_update))
+                    stack.enter_context(_instance_attribute(m, "update", _no_update))
+            self._tracing = True
+            try:
+                yield
+            finally:
+                self._tracing = False
+
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
             return  # converting it to a number reads nothing from a device
         options = {**dict(zip(_LOG_ARGUMENTS, args, strict=False)), **kwargs}
         self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
+
+
+def _no_update(*args: Any, **kwargs: Any) -> None:
+    """A metric's ``forward`` and ``update`` while the loss is traced (:meth:`StepLoss.tracing`)."""
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

@@ -183,8 +183,9 @@ def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str,
     """Where the training loss mixes samples (a contrastive loss's ``(batch, batch)`` scores, a normalization
     over the batch; see [Note: sample flow] in capture/sample_flow.py), as "training_step: operation (shape)":
     ``loss`` traced at the two smallest sizes of ``outputs`` (the model's output by batch size) up to ``limit``,
-    on fake tensors (no memory) on the batch's device. Nothing where it cannot tell: fewer than two sizes, or a
-    loss that needs values (``.item()``) or does not trace alike at both."""
+    on fake tensors (no memory) on the batch's device, inside ``loss.tracing()`` where the loss has one (the
+    strategy's: torchmetrics updates skipped). Nothing where it cannot tell: fewer than two sizes, or a loss that
+    needs values (``.item()``) or does not trace alike at both."""
     sizes = sorted(n for n in outputs if n <= limit)
     sizes = [n for n in sizes if n > 1][:2] if len([n for n in sizes if n > 1]) > 1 else sizes[:2]
     if len(sizes) < 2:
@@ -192,10 +193,11 @@ def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str,
     batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
     device = batch[0].device if batch else torch.device("cpu")
     traces = []
+    tracing = getattr(loss, "tracing", nullcontext)  # the strategy's step skips its metrics' updates there
     try:
         for n in sizes:
             trace = Trace()
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with tracing(), FakeTensorMode(allow_non_fake_inputs=True):
                 fake = tree_map(lambda t: _fake_like(t, device), outputs[n])
                 with RecordOps(trace):
                     loss(fake, n)

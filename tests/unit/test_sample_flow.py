@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -59,6 +60,22 @@ class Guarded(nn.Module):
         return torch.clamp(y, -bound, bound)
 
 
+class Grouped(nn.Module):
+    """Rows grouped by expert as transformers' grouped-product fallback groups them (Mixtral and 18 other
+    mixtures): the groups' offsets are a histogram of the expert indices converted to float, a count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.scale = nn.Parameter(torch.ones(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = self.gate(x).argmax(-1).sort()
+        offsets = torch.histc(order.values.float(), bins=4, min=0, max=3).cumsum(0).to(torch.int64)
+        group = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets, right=True).clamp(max=3)
+        return x[order.indices] * self.scale[group]
+
+
 def _found(model: nn.Module) -> tuple[str, ...]:
     x = torch.randn(4, 8, device="meta")
     model = model.to("meta")
@@ -81,8 +98,9 @@ def test_a_statistic_is_followed_from_one_block_into_the_next() -> None:
     [
         nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8)),
         nn.Sequential(Guarded(), nn.Linear(8, 8)),
+        nn.Sequential(nn.Linear(8, 8), Grouped(), nn.Linear(8, 8)),
     ],
-    ids=["per-sample", "guarded by a count"],
+    ids=["per-sample", "guarded by a count", "grouped by a count"],
 )
 def test_models_that_keep_samples_apart_are_not_found(model: nn.Module) -> None:
     assert _found(model) == ()
@@ -134,12 +152,14 @@ def test_the_flow_names_a_pairwise_value_and_a_statistic_once_each() -> None:
 
 
 class _Contrastive(L.LightningModule):
-    """A CLIP-style objective in ``training_step``: the model embeds, the step scores every pair of the batch."""
+    """A CLIP-style objective in ``training_step``: the model embeds, the step scores every pair of the batch;
+    a torchmetrics accuracy beside it (its update needs values, which the tracing skips)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
         self.example_input_array = torch.zeros(2, 8)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -148,8 +168,11 @@ class _Contrastive(L.LightningModule):
         x, y = batch
         z = F.normalize(self(x), dim=-1)
         logits = 10 * z @ F.normalize(y, dim=-1).T
-        loss = F.cross_entropy(logits, torch.arange(len(x), device=logits.device))
+        labels = torch.arange(len(x), device=logits.device)
+        loss = F.cross_entropy(logits, labels)
+        self.accuracy(logits.argmax(1), labels)
         self.log("train_loss", loss)
+        self.log("train_accuracy", self.accuracy)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
