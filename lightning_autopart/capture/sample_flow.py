@@ -66,7 +66,8 @@ def _following(a: Any, b: Any) -> int | None:
         return None
     if a.dim() != b.dim():
         return 1  # a dimension folded away at one size only (a squeeze of a batch of 1): it follows the batch
-    return sum(m != n for m, n in zip(a.shape, b.shape, strict=True))
+    # a size the data decides (a symbol: the tokens routed to one expert) follows the samples
+    return sum(not (type(m) is int and type(n) is int) or m != n for m, n in zip(a.shape, b.shape, strict=True))
 
 
 @dataclass

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_autopart import AutoPartitionStrategy
@@ -149,6 +151,20 @@ def test_the_flow_names_a_pairwise_value_and_a_statistic_once_each() -> None:
     flow.step("sub", ["x", "m"], [("c", x, y)])
     flow.step("mm", ["c"], [("p", torch.empty(2, 2), torch.empty(3, 3))])
     assert flow.found == {"sub (2, 4)": "statistics", "mm (2, 2)": "pairs"}
+
+
+def test_a_size_the_data_decides_follows_the_samples() -> None:
+    """JetMoE splits its tokens by expert into parts whose sizes are symbols of the capture: values computed from
+    those parts are per-sample, not statistics of the batch (its experts' outputs were found mixing samples)."""
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        routed = [torch.empty(env.create_unbacked_symint(), 4) for _ in range(2)]
+    flow = SampleFlow()
+    flow.step("in", [], [("x", torch.empty(2, 4), torch.empty(3, 4))])
+    flow.step("split", ["x"], [("part", routed[0], routed[1])])
+    flow.step("linear", ["part"], [("y", routed[0], routed[1])])
+    flow.step("index_add", ["x", "y"], [("z", torch.empty(2, 4), torch.empty(3, 4))])
+    assert flow.kinds["y"] == "per-sample" and flow.found == {}
 
 
 class _Contrastive(L.LightningModule):
