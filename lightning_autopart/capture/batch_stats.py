@@ -12,8 +12,8 @@ SigLIP's image-text logits are ``(batch, batch)``, each image scored against eve
 micro-batch at a time, such a model scores each image against its micro-batch's texts only: another model, and
 the loss of plain Lightning's step is not the mean of the micro-batches' (a pipeline of 4 micro-batches trained
 CLIP 55 % away from plain Lightning's losses, silently). A ``training_step`` may do the same with the model's
-output (a contrastive loss's ``z @ y.T``: 31 % lower losses with 4 micro-batches), and a forward or a step may
-compute a statistic of the batch back into its samples (``x - x.mean(0)``, a Barlow Twins loss). Two runs at
+output (a contrastive loss's ``z @ y.T``: losses 31-51 % lower with 4 micro-batches), and a forward or a step
+may compute a statistic of the batch back into its samples (``x - x.mean(0)``, a Barlow Twins loss). Two runs at
 different batch sizes tell all of these ([Note: sample flow] in sample_flow.py): :func:`mixed_samples` compares
 two captures of the forward node by node, ``loss_mixing`` (profile/loss.py) two traces of the step's loss. Such
 a model is planned with one micro-batch per replica (each replica computes on its whole share, as Lightning's
