@@ -82,7 +82,7 @@ def profile_model(
         join_curves,
         resize_batch,
     )
-    from lightning_autopart.profile.loss import batch_bytes, loss_context, loss_mixing, profile_loss
+    from lightning_autopart.profile.loss import batch_bytes, loss_context, loss_findings, profile_loss
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")
@@ -150,8 +150,8 @@ def profile_model(
             result = add_loss(result, losses)
         except Exception as error:  # user code: the loss stays unpriced, and the profile says why
             notes["loss_error"] = f"{type(error).__name__}: {error}"
-        if "batch_mixing" not in notes and (mixed := loss_mixing(loss, outputs, limit)):
-            notes["batch_mixing"] = list(mixed)  # [Note: values that mix samples]
+        for key, finding in loss_findings(loss, outputs, limit).items():  # what micro-batches would change
+            notes.setdefault(key, finding)
     return dataclasses.replace(result, meta={**result.meta, **notes}) if notes else result
 
 

@@ -22,6 +22,7 @@ from lightning_autopart.lightning.metrics import (
     step_value,
     tracked_metrics,
 )
+from lightning_autopart.profile.curves import resize_batch
 from lightning_autopart.profile.readback import StepReads, ValueReads
 
 __all__ = [
@@ -311,6 +312,11 @@ class StepLoss:
                 "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
             )
         return value
+
+    def repeated(self, copies: int) -> StepLoss:
+        """The loss over the batch's first sample repeated ``copies`` times (``loss_growth`` in profile/loss.py)."""
+        one = slice_batch(self.batch, 0, 1, self.batch_size)
+        return StepLoss(self.module, self.root_name, resize_batch(one, 1, copies), copies)
 
     @contextmanager
     def tracing(self) -> Iterator[None]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.partition.build import build_plan, infeasible_error, one_micro_batch
+from lightning_autopart.partition.build import build_plan, infeasible_error, one_micro_batch, single_reasons
 from lightning_autopart.partition.cost import CostTables
 from lightning_autopart.partition.scoring import evaluate
 from lightning_autopart.partition.search import Constraints, closest, divisors
@@ -149,8 +149,8 @@ def partition(
         ConfigError: an invalid setting (the message names the value and what to use instead).
         PlanError: nothing fits in memory; carries the closest plan and a per-stage memory table.
     """
-    if mixed := profile.meta.get("batch_mixing"):  # [Note: values that mix samples] in capture/batch_stats.py
-        micro_batches = one_micro_batch(mixed, micro_batches)
+    if reasons := single_reasons(profile.meta):  # samples mixed, or a loss that sums them
+        micro_batches = one_micro_batch(reasons, micro_batches)
     reps, scheds = _validate(
         profile, cluster, batch_size, num_stages, replicas, micro_batches, schedules, max_micro_batches
     )

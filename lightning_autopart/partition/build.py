@@ -13,7 +13,16 @@ from lightning_autopart.plan import Plan, Prediction, StagePlan
 from lightning_autopart.profile.loader import LoaderCost
 from lightning_autopart.profile.records import ModelProfile
 
-__all__ = ["batch_statistics_note", "build_plan", "infeasible_error", "memory_table", "mixing_note", "one_micro_batch"]
+__all__ = [
+    "batch_statistics_note",
+    "build_plan",
+    "growth_note",
+    "infeasible_error",
+    "memory_table",
+    "mixing_note",
+    "one_micro_batch",
+    "single_reasons",
+]
 
 #: Rows of the memory table shown before eliding the rest.
 _MAX_ROWS = 24
@@ -98,6 +107,8 @@ def build_plan(
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
     if mixed := profile.meta.get("batch_mixing"):  # [Note: values that mix samples] in capture/batch_stats.py
         notes["batch_mixing"] = f"{mixing_note(mixed)}: one micro-batch per replica, as more would change it"
+    if (growth := profile.meta.get("loss_growth")) is not None:  # [Note: a loss that grows] in profile/loss.py
+        notes["loss_growth"] = f"{growth_note(growth)}: one micro-batch per replica, as more would scale it"
     if mb > 1 and (norms := profile.meta.get("batch_statistics")):
         notes["batch_statistics"] = batch_statistics_note(norms, batch_size // (cfg.replicas * mb), mb)
     if ckpt:
@@ -234,15 +245,45 @@ def mixing_note(mixed: list[str]) -> str:
     return f"{who} combines samples of the batch into one value ({shown})"
 
 
-def one_micro_batch(mixed: list[str], requested: int | None) -> int:
-    """1, the micro-batches per replica of a model whose forward or training step mixes samples ([Note: values
-    that mix samples] in capture/batch_stats.py); ConfigError, with the fix, where ``requested`` is more."""
+def growth_note(growth: float) -> str:
+    """What a training step whose loss grows with its samples does, in a phrase (``growth``: ``loss_growth`` in
+    profile/loss.py)."""
+    return (
+        f"training_step's loss on one sample repeated twice is {growth:.3g} times its loss on the sample once "
+        "(a sum over samples, not a mean)"
+    )
+
+
+def single_reasons(meta: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Why a profile's model needs one micro-batch per replica, as (what it does, what micro-batches would do,
+    the fix besides micro_batches=1): samples mixed ([Note: values that mix samples] in capture/batch_stats.py),
+    a loss that grows with its samples ([Note: a loss that grows] in profile/loss.py)."""
+    reasons = []
+    if mixed := meta.get("batch_mixing"):
+        reasons.append((
+            mixing_note(mixed),
+            "each micro-batch would see only its own samples (a sample scored against its micro-batch's alone, "
+            "a statistic of the batch taken over a micro-batch)",
+            "compute that value outside the pipelined step",
+        ))  # fmt: skip
+    if (growth := meta.get("loss_growth")) is not None:
+        reasons.append((
+            growth_note(growth),
+            "the pipeline averages its micro-batches' losses, as Lightning's gradient accumulation averages its "
+            "batches', so a sum would be scaled by 1 / micro_batches, gradients and logged loss alike",
+            "divide the loss by the batch's samples (reduction='mean')",
+        ))  # fmt: skip
+    return reasons
+
+
+def one_micro_batch(reasons: list[tuple[str, str, str]], requested: int | None) -> int:
+    """1, the micro-batches per replica of a model with ``reasons`` (:func:`single_reasons`); ConfigError, with
+    the fix, where ``requested`` is more."""
     if requested is not None and requested > 1:
+        what, effect, fix = reasons[0]
         raise ConfigError(
-            f"micro_batches={requested}, but {mixing_note(mixed)}: each micro-batch would see only its own "
-            "samples (a sample scored against its micro-batch's alone, a statistic of the batch taken over a "
-            "micro-batch), and training would differ from plain Lightning's. Pass micro_batches=1 (or leave it "
-            "unset: each replica then computes on its whole share, as DDP does), or compute that value outside "
-            "the pipelined step"
+            f"micro_batches={requested}, but {what}: {effect}, and training would differ from plain Lightning's. "
+            "Pass micro_batches=1 (or leave it unset: each replica then computes on its whole share, as DDP does), "
+            f"or {fix}"
         )
     return 1

@@ -11,10 +11,21 @@ runs: the last stage reads the batch it holds, and a copy of it (a CPU batch for
 is not the loss's memory or time. The profile drops the placed batch when it returns or raises. A loss that
 cannot run on a profiling copy (user code that reads values on meta tensors, say) is left unpriced, and the
 profile says why.
+
+[Note: a loss that grows] The pipeline computes the loss of each micro-batch and divides it by the micro-batch
+count, as Lightning's gradient accumulation divides each batch's: the total is the batch's loss where the loss
+is a mean over samples. A sum (``F.mse_loss(..., reduction="sum")``, a VAE's summed reconstruction and KL terms)
+would come out scaled by 1 / micro_batches, gradients and logged loss alike (a step of 4 micro-batches logged
+45.2 where plain Lightning logged 180.6, and trained otherwise). :func:`loss_growth` runs the step on one sample
+and on that sample repeated twice (random outputs, the batch's first sample): a mean gives the same loss, a sum
+twice it. A loss that does not give the same is planned with one micro-batch per replica, as samples that mix
+are, and more micro-batches are refused with the fix (``partition/build.py``). A loss computed inside the
+model's forward (a Hugging Face model given labels) is not run here.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -24,7 +35,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from lightning_autopart.capture.sample_flow import RecordOps, Trace, trace_flow
 from lightning_autopart.profile.autocast_meta import MetaAutocast
@@ -34,7 +45,16 @@ from lightning_autopart.profile.records import ModelProfile
 from lightning_autopart.profile.saved import SavedTensorMeter
 from lightning_autopart.profile.transient import AllocationMeter
 
-__all__ = ["LossCost", "LossFn", "batch_bytes", "loss_context", "loss_mixing", "profile_loss"]
+__all__ = [
+    "LossCost",
+    "LossFn",
+    "batch_bytes",
+    "loss_context",
+    "loss_findings",
+    "loss_growth",
+    "loss_mixing",
+    "profile_loss",
+]
 
 #: ``loss(output, samples)``: the training loss of ``samples`` samples given the model's output for them.
 LossFn = Callable[[Any, int], torch.Tensor]
@@ -179,6 +199,15 @@ def batch_bytes(loss: object, dtype: torch.dtype | None = None) -> float | None:
     return total / size
 
 
+def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str, Any]:
+    """What the training loss does that micro-batches would change, as profile notes: "batch_mixing" (where it
+    mixes samples: :func:`loss_mixing`) or "loss_growth" (:func:`loss_growth`); empty for a mean over samples."""
+    if mixed := loss_mixing(loss, outputs, limit):
+        return {"batch_mixing": list(mixed)}
+    growth = loss_growth(loss, outputs)
+    return {} if growth is None else {"loss_growth": growth}
+
+
 def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str, ...]:
     """Where the training loss mixes samples (a contrastive loss's ``(batch, batch)`` scores, a normalization
     over the batch; see [Note: sample flow] in capture/sample_flow.py), as "training_step: operation (shape)":
@@ -215,3 +244,52 @@ def _fake_like(t: Any, device: torch.device) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.is_floating_point())
+
+
+#: How far from 1 the growth of a loss that averages its samples may be (rounding, in bfloat16 too).
+_MEAN_TOLERANCE = 0.02
+
+
+def loss_growth(loss: LossFn, outputs: dict[int, Any]) -> float | None:
+    """How the training loss grows with its samples where it is not a mean over them (see [Note: a loss that
+    grows]): its value on one sample repeated twice over its value on that sample once (2 for a sum; a mean
+    gives 1, and None). Computed on
+    random outputs for the batch's first sample (their shapes from the two smallest sizes of ``outputs``) and
+    ``loss.repeated(copies)``, the loss over that sample repeated; None where it cannot tell (a loss without
+    ``repeated``, fewer than two sizes, an output with two dimensions that follow the batch, a loss of zero, or
+    one that fails)."""
+    repeated = getattr(loss, "repeated", None)
+    sizes = sorted(outputs)[:2]
+    if not callable(repeated) or len(sizes) < 2:
+        return None
+    (a, b), batch = sizes, [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
+    device = batch[0].device if batch else torch.device("cpu")
+    leaves, spec = tree_flatten(outputs[a])
+    once, twice = [], []
+    for x, y in zip(leaves, tree_leaves(outputs[b]), strict=True):
+        if not isinstance(x, torch.Tensor):
+            once.append(x)
+            twice.append(x)
+            continue
+        if not isinstance(y, torch.Tensor) or x.dim() != y.dim():
+            return None
+        dims = [d for d in range(x.dim()) if x.shape[d] != y.shape[d]]
+        per = [(y.shape[d] - x.shape[d]) // (b - a) for d in dims]
+        if len(dims) > 1 or any(x.shape[d] != p * a for d, p in zip(dims, per, strict=True)):
+            return None  # mixed samples, or a size not proportional to the batch: nothing to repeat
+        shape = [per[0] if d in dims else n for d, n in enumerate(x.shape)]
+        one = torch.randn(shape, device=device).to(x.dtype) if x.is_floating_point() else x.new_zeros(shape, device=device)
+        once.append(one)
+        twice.append(torch.cat([one, one], dims[0]) if dims else one)
+    values = []
+    try:
+        for copies, out in ((1, once), (2, twice)):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+                torch.manual_seed(0)  # a loss that draws numbers draws the same ones at both
+                values.append(float(repeated(copies)(tree_unflatten(out, spec), copies)))
+    except Exception:  # user code that cannot run here: nothing can be told
+        return None
+    if not all(map(math.isfinite, values)) or abs(values[0]) < 1e-12:
+        return None
+    growth = values[1] / values[0]
+    return None if abs(growth - 1) <= _MEAN_TOLERANCE else growth

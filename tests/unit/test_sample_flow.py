@@ -23,6 +23,7 @@ from lightning_autopart.capture.sample_flow import RecordOps, SampleFlow, Trace,
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile.curves import resize_batch
 from lightning_autopart.profile.loss import loss_mixing
+from tests.one_device import fit_one_device
 
 
 class Centered(nn.Module):
@@ -200,35 +201,15 @@ class _Contrastive(L.LightningModule):
         return DataLoader(data, batch_size=16)
 
 
-def _fit(strategy: object, accelerator: str = "cpu") -> list[float]:
-    torch.manual_seed(0)
-    model = _Contrastive()
-    losses: list[float] = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-            losses.append(float(trainer.callback_metrics["train_loss"]))
-
-    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-    # one replica: the loader's own order (a distributed sampler would shuffle it)
-    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=3, callbacks=[Record()],
-                        use_distributed_sampler=False, enable_model_summary=False, **quiet)  # fmt: skip
-    try:
-        trainer.fit(model)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return losses
-
-
 def check_contrastive_step(accelerator: str) -> None:
     """A contrastive ``training_step`` under the strategy on one device of ``accelerator`` trains as plain
     Lightning does (its loss traced on fake tensors on that device), and 4 micro-batches are refused."""
-    expected = _fit("auto", accelerator)
-    got = _fit(AutoPartitionStrategy(num_stages=1, profile="estimate"), accelerator)
+    expected = fit_one_device(_Contrastive, "auto", accelerator)[0]
+    got = fit_one_device(_Contrastive, AutoPartitionStrategy(num_stages=1, profile="estimate"), accelerator)[0]
     assert got == pytest.approx(expected, rel=1e-5)
+    four = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
     with pytest.raises(ConfigError, match=r"micro_batches=4, but training_step combines samples .*mm \(\d+, \d+\)"):
-        _fit(AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate"), accelerator)
+        fit_one_device(_Contrastive, four, accelerator)
 
 
 @pytest.mark.usefixtures("master_port")

@@ -1,0 +1,113 @@
+"""[Note: a loss that grows]: a training step whose loss sums over its samples (``reduction="sum"``, a VAE's
+terms) would be scaled by 1 / micro_batches in a pipeline, gradients and logged loss alike. Such a loss is found
+by running it on one sample and on that sample repeated, planned with one micro-batch per replica (training then
+equals plain Lightning's), and more micro-batches are refused with the fix. Means, weighted means and a mean
+plus a constant are not found."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_autopart import AutoPartitionStrategy
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.profile.loss import loss_growth
+from tests.one_device import fit_one_device
+
+
+class _Step:
+    """A loss as the strategy's StepLoss offers it: a batch, and the loss over its first sample repeated."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: torch.Tensor) -> None:
+        self.fn, self.batch = fn, batch
+
+    def __call__(self, output: torch.Tensor, samples: int) -> torch.Tensor:
+        return self.fn(output, self.batch[:samples])
+
+    def repeated(self, copies: int) -> _Step:
+        return _Step(self.fn, self.batch[:1].repeat(copies, *([1] * (self.batch.dim() - 1))))
+
+
+#: Token labels with padding (-100), and the outputs' shapes (batch first) for them and for regression targets.
+_TOKENS = torch.tensor([[3, 1, -100, -100], [2, 2, 0, -100]])
+_DATA = {"tokens": (_TOKENS, (4, 5)), "values": (torch.randn(4, 4), (4,))}
+
+
+def _token_ce(out: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("data", "fn", "growth"),
+    [
+        ("values", lambda out, y: F.mse_loss(out, y, reduction="sum"), 2.0),
+        ("tokens", lambda out, y: _token_ce(out, y, reduction="sum"), 2.0),
+        ("values", lambda out, y: F.mse_loss(out, y), None),
+        ("tokens", _token_ce, None),  # a mean over the tokens that are not padding
+        ("values", lambda out, y: F.mse_loss(out, y, reduction="sum") / len(y), None),
+        ("values", lambda out, y: F.mse_loss(out, y) + 3.0, None),
+    ],
+    ids=["sum", "token sum", "mean", "token mean", "sum over len", "mean plus a constant"],
+)
+def test_a_loss_is_run_on_a_sample_and_on_it_repeated(data: str, fn: Any, growth: float | None) -> None:
+    batch, shape = _DATA[data]
+    outputs = {n: torch.empty(n, *shape, device="meta") for n in (1, 2, 4)}
+    got = loss_growth(_Step(fn, batch), outputs)
+    assert got == (None if growth is None else pytest.approx(growth, rel=1e-5))
+
+
+def test_it_tells_nothing_without_a_way_to_repeat_a_sample() -> None:
+    outputs = {n: torch.empty(n, 4, device="meta") for n in (1, 2)}
+    assert loss_growth(lambda out, n: out.sum(), outputs) is None
+
+
+class _Summed(L.LightningModule):
+    """A regression whose loss is summed over the batch, as a VAE's reconstruction term is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.example_input_array = torch.zeros(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y, reduction="sum")
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 8, generator=g)), 16)
+
+
+def check_summed_loss(accelerator: str) -> None:
+    """A summed loss under the strategy on one device of ``accelerator`` (the loss run there on random outputs)
+    trains as plain Lightning does, and 4 micro-batches are refused with the fix."""
+    expected, weights = fit_one_device(_Summed, "auto", accelerator)
+    losses, trained = fit_one_device(_Summed, AutoPartitionStrategy(num_stages=1, profile="estimate"), accelerator)
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(trained, weights, strict=True))
+    fix = r"micro_batches=4, but training_step's loss on one sample repeated twice is 2 times .*reduction='mean'"
+    four = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
+    with pytest.raises(ConfigError, match=fix):
+        fit_one_device(_Summed, four, accelerator)
+
+
+@pytest.mark.usefixtures("master_port")
+def test_a_summed_loss_trains_as_plain_lightning() -> None:
+    """Before: 4 micro-batches logged 45.2 where plain Lightning logged 180.6 (a quarter), and trained with a
+    quarter of the gradient. Now the plan keeps one micro-batch, and micro_batches=4 is refused with the fix."""
+    check_summed_loss("cpu")
