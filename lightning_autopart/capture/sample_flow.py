@@ -51,8 +51,11 @@ _SHAPE_ONLY = frozenset(
 
 #: Operations that convert their input to another dtype, by overload packet name.
 _CONVERSIONS = frozenset(
-    {"to", "_to_copy", "type_as", "_autocast_to_reduced_precision", "_autocast_to_full_precision", "convert_element_type"}
-)
+    {
+        "to", "_to_copy", "type_as", "convert_element_type", "_autocast_to_reduced_precision",
+        "_autocast_to_full_precision",
+    }
+)  # fmt: skip
 
 #: The kinds of value: per-sample (floating, or integer or boolean), and aggregates: a statistic (reduced from
 #: floating per-sample values: a mean over the batch) or a count (from integer or boolean ones alone: how many

@@ -253,43 +253,87 @@ _MEAN_TOLERANCE = 0.02
 def loss_growth(loss: LossFn, outputs: dict[int, Any]) -> float | None:
     """How the training loss grows with its samples where it is not a mean over them (see [Note: a loss that
     grows]): its value on one sample repeated twice over its value on that sample once (2 for a sum; a mean
-    gives 1, and None). Computed on
-    random outputs for the batch's first sample (their shapes from the two smallest sizes of ``outputs``) and
-    ``loss.repeated(copies)``, the loss over that sample repeated; None where it cannot tell (a loss without
-    ``repeated``, fewer than two sizes, an output with two dimensions that follow the batch, a loss of zero, or
-    one that fails)."""
+    gives 1, and None). Computed with ``loss.repeated(copies)`` (the loss over the batch's first sample
+    repeated) on random outputs for that sample, their shapes from the two smallest sizes of ``outputs``: on the
+    CPU (no device memory while the model may fill it), else on the batch's device where they are small. None
+    where it cannot tell: a loss without ``repeated``, fewer than two sizes, an output with two dimensions that
+    follow the batch, a loss of zero, or one that fails."""
     repeated = getattr(loss, "repeated", None)
     sizes = sorted(outputs)[:2]
     if not callable(repeated) or len(sizes) < 2:
         return None
-    (a, b), batch = sizes, [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
-    device = batch[0].device if batch else torch.device("cpu")
-    leaves, spec = tree_flatten(outputs[a])
-    once, twice = [], []
-    for x, y in zip(leaves, tree_leaves(outputs[b]), strict=True):
+    shapes = _one_sample(outputs[sizes[0]], outputs[sizes[1]], *sizes)
+    if shapes is None:
+        return None
+    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
+    devices = [torch.device("cpu")]
+    if batch and batch[0].device.type != "cpu" and 2 * _nbytes(outputs[sizes[0]]) // sizes[0] <= _DEVICE_BYTES:
+        devices.append(batch[0].device)  # a step that makes its tensors on self.device runs there
+    for device in devices:
+        values = _repeated_values(repeated, *shapes, device)
+        if values is not None:
+            break
+    if values is None or not all(map(math.isfinite, values)) or abs(values[0]) < 1e-12:
+        return None
+    growth = values[1] / values[0]
+    return None if abs(growth - 1) <= _MEAN_TOLERANCE else growth
+
+
+#: Largest random outputs (for two samples) :func:`loss_growth` puts on a device.
+_DEVICE_BYTES = 1 << 28
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _one_sample(x_tree: Any, y_tree: Any, a: int, b: int) -> tuple[list[Any], Any, list[int | None]] | None:
+    """The leaves of the model's output for one sample (as shape and dtype), its structure, and each leaf's
+    dimension that follows the batch (None: none), from the outputs at ``a`` and ``b`` samples; None where a
+    leaf has two such dimensions, or one not proportional to the batch."""
+    leaves, spec = tree_flatten(x_tree)
+    one: list[Any] = []
+    dims: list[int | None] = []
+    for x, y in zip(leaves, tree_leaves(y_tree), strict=True):
         if not isinstance(x, torch.Tensor):
-            once.append(x)
-            twice.append(x)
+            one.append(x)
+            dims.append(None)
             continue
         if not isinstance(y, torch.Tensor) or x.dim() != y.dim():
             return None
-        dims = [d for d in range(x.dim()) if x.shape[d] != y.shape[d]]
-        per = [(y.shape[d] - x.shape[d]) // (b - a) for d in dims]
-        if len(dims) > 1 or any(x.shape[d] != p * a for d, p in zip(dims, per, strict=True)):
+        follow = [d for d in range(x.dim()) if x.shape[d] != y.shape[d]]
+        per = [(y.shape[d] - x.shape[d]) // (b - a) for d in follow]
+        if len(follow) > 1 or any(x.shape[d] != n * a for d, n in zip(follow, per, strict=True)):
             return None  # mixed samples, or a size not proportional to the batch: nothing to repeat
-        shape = [per[0] if d in dims else n for d, n in enumerate(x.shape)]
-        one = torch.randn(shape, device=device).to(x.dtype) if x.is_floating_point() else x.new_zeros(shape, device=device)
-        once.append(one)
-        twice.append(torch.cat([one, one], dims[0]) if dims else one)
+        one.append((tuple(per[0] if d in follow else n for d, n in enumerate(x.shape)), x.dtype))
+        dims.append(follow[0] if follow else None)
+    return one, spec, dims
+
+
+def _repeated_values(
+    repeated: Callable[[int], LossFn], one: list[Any], spec: Any, dims: list[int | None], device: torch.device
+) -> list[float] | None:
+    """The loss on random outputs ``one`` for one sample on ``device``, then on them repeated twice (the same
+    random draws in the loss at both); None where the loss fails there."""
+    once, twice = [], []
+    for leaf, dim in zip(one, dims, strict=True):
+        if not isinstance(leaf, tuple):
+            once.append(leaf)
+            twice.append(leaf)
+            continue
+        shape, dtype = leaf
+        if dtype.is_floating_point:
+            t = torch.randn(shape, device=device).to(dtype)
+        else:
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        once.append(t)
+        twice.append(t if dim is None else torch.cat([t, t], dim))
     values = []
     try:
         for copies, out in ((1, once), (2, twice)):
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-                torch.manual_seed(0)  # a loss that draws numbers draws the same ones at both
+                torch.manual_seed(0)
                 values.append(float(repeated(copies)(tree_unflatten(out, spec), copies)))
-    except Exception:  # user code that cannot run here: nothing can be told
+    except Exception:  # user code that cannot run here
         return None
-    if not all(map(math.isfinite, values)) or abs(values[0]) < 1e-12:
-        return None
-    growth = values[1] / values[0]
-    return None if abs(growth - 1) <= _MEAN_TOLERANCE else growth
+    return values
