@@ -23,7 +23,8 @@ from lightning_autopart.capture import capture
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.devices import DeviceSpec
 from lightning_autopart.errors import AutopartError, CheckpointError, ConfigError
-from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.hooks import batch_size_of, find_forward
+from lightning_autopart.lightning.step_loss import step_loss
 from lightning_autopart.plan import SCHEDULES, Plan, check_compatible, load_plan, with_planning_time
 from lightning_autopart.plan.report import WIDTH, print_plan, profiling_progress
 from lightning_autopart.planner import example_inputs_of, meta_inputs, plan_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,23 +22,22 @@ from lightning_autopart.lightning.metrics import (
     step_value,
     tracked_metrics,
 )
-from lightning_autopart.profile.curves import resize_batch
-from lightning_autopart.profile.readback import StepReads, ValueReads
 
 __all__ = [
+    "LOG_ARGUMENTS",
     "ForwardCall",
     "LogRecord",
-    "StepLoss",
     "batch_range",
     "batch_size_of",
     "capture_logs",
     "find_forward",
     "flat_inputs",
+    "instance_attribute",
     "merge_logs",
+    "patched_log",
     "replaced_forward",
     "sample_range",
     "slice_batch",
-    "step_loss",
 ]
 
 
@@ -149,7 +148,7 @@ def slice_batch(batch: Any, lo: int, hi: int, size: int) -> Any:
 @contextmanager
 def replaced_forward(module: nn.Module, output: Any) -> Iterator[None]:
     """Make ``module(...)`` return ``output`` (the pipeline's result) for the duration."""
-    with _instance_attribute(module, "forward", lambda *args, **kwargs: output):
+    with instance_attribute(module, "forward", lambda *args, **kwargs: output):
         yield
 
 
@@ -173,7 +172,7 @@ class LogRecord:
 def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
     """Record ``module.log(...)`` calls into ``records`` instead of logging them, and note the updates of the
     module's torchmetrics metrics there (see [Note: metrics])."""
-    names = _LOG_ARGUMENTS
+    names = LOG_ARGUMENTS
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         kwargs.update(zip(names, args, strict=False))
@@ -195,7 +194,7 @@ def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
     def note(fqn: str, metric: Any) -> None:
         records.append(LogRecord(fqn, metric, {}, fqn, ()))
 
-    with _patched_log(module, log), tracked_metrics(module, note):
+    with patched_log(module, log), tracked_metrics(module, note):
         yield
 
 
@@ -264,135 +263,23 @@ def _log_signature(self: Any, name: str, value: Any, prog_bar: bool = False, log
 
 
 #: Names of ``LightningModule.log``'s arguments after ``name`` and ``value``, in positional order.
-_LOG_ARGUMENTS = list(inspect.signature(_log_signature).parameters)[3:]
-
-
-class StepLoss:
-    """The user's training loss as a function of the pipelined model's output (see [Note: the loss]):
-    ``training_step`` on the first ``samples`` samples of ``batch`` (moved to the output's device), with the
-    model's forward returning ``output``, ``self.log`` recorded instead of logged and torchmetrics states
-    restored afterwards, so profiling it leaves nothing behind. ``reads`` says what the step reads back from
-    the device and logs at each step (see [Note: reads back]); it is recorded until one run completes."""
-
-    def __init__(self, module: Any, root_name: str, batch: Any, batch_size: int) -> None:
-        self.module, self.root_name, self.batch, self.batch_size = module, root_name, batch, batch_size
-        self.reads = StepReads()
-        #: The slice of the batch the last call read, on the output's device (what the profiler's
-        #: ``profile_loss`` leaves out of the loss's saved bytes: the batch is priced on its own).
-        self.sliced: Any = ()
-        self._placed: tuple[torch.device, Any] | None = None
-        self._tracing = False
-
-    def place(self, device: torch.device | None) -> None:
-        """Hold the batch on ``device`` (None: forget it), so that a call there reads a view of it, as the last
-        stage reads the batch it holds: no copy of it is priced as the loss's (a CPU batch for meta outputs)."""
-        self._placed = None
-        if device is not None:
-            self._placed = (device, _to_device(self.batch, device))
-
-    def __call__(self, output: Any, samples: int) -> torch.Tensor:
-        module = self.module
-        device = next((t.device for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
-        batch = self.batch
-        if self._placed is not None and self._placed[0] == device:
-            batch, device = self._placed[1], None  # there already: a view, no copy
-        part = slice_batch(batch, 0, samples, self.batch_size)
-        if device is not None:
-            part = _to_device(part, device)
-        self.sliced = part
-        root = module.get_submodule(self.root_name) if self.root_name else module
-        watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
-        kept = nullcontext() if self._tracing else _metrics_kept(module)  # no metric updates while traced
-        with replaced_forward(root, output), _patched_log(module, self._log), kept, watch:
-            out = module.training_step(part, 0)
-        self.reads.seen = True
-        value = out.get("loss") if isinstance(out, dict) else out
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(
-                "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
-            )
-        return value
-
-    def repeated(self, copies: int) -> StepLoss:
-        """The loss over the batch's first sample repeated ``copies`` times (``loss_growth`` in profile/loss.py)."""
-        one = slice_batch(self.batch, 0, 1, self.batch_size)
-        return StepLoss(self.module, self.root_name, resize_batch(one, 1, copies), copies)
-
-    @contextmanager
-    def tracing(self) -> Iterator[None]:
-        """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors (``loss_mixing``
-        in profile/loss.py), which hold no values for a metric to count, and a metric changes nothing the loss
-        computes."""
-        with ExitStack() as stack:
-            for m in self.module.modules():
-                if is_metric(m):
-                    stack.enter_context(_instance_attribute(m, "forward", _no_update))
-                    stack.enter_context(_instance_attribute(m, "update", _no_update))
-            self._tracing = True
-            try:
-                yield
-            finally:
-                self._tracing = False
-
-    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
-            return  # converting it to a number reads nothing from a device
-        options = {**dict(zip(_LOG_ARGUMENTS, args, strict=False)), **kwargs}
-        self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
-
-
-def _no_update(*args: Any, **kwargs: Any) -> None:
-    """A metric's ``forward`` and ``update`` while the loss is traced (:meth:`StepLoss.tracing`)."""
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    """``tree`` with every tensor moved to ``device`` (other leaves as they are)."""
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
-
-
-def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> StepLoss:
-    """The training loss of ``module``'s ``training_step`` on ``batch`` as a function of the output of its
-    submodule ``root_name`` (:class:`StepLoss`)."""
-    return StepLoss(module, root_name, batch, batch_size)
-
-
-@contextmanager
-def _metrics_kept(module: nn.Module) -> Iterator[None]:
-    """Restore every torchmetrics ``Metric`` of ``module`` on exit: its states and its other attributes, which a
-    ``forward`` that raised halfway (on the planner's meta tensors) leaves changed (``_to_sync=False`` would stop
-    this rank's ``compute()`` from joining the others')."""
-    import copy
-
-    metrics: list[Any] = [m for m in module.modules() if is_metric(m)]
-    saved = []
-    for m in metrics:
-        table = dict(m.__dict__)
-        for k in (*m._defaults, "_computed", "_forward_cache", "_cache"):
-            if k in table:
-                table[k] = copy.deepcopy(table[k])
-        saved.append(table)
-    try:
-        yield
-    finally:
-        for m, table in zip(metrics, saved, strict=True):
-            m.__dict__.clear()
-            m.__dict__.update(table)
+LOG_ARGUMENTS = list(inspect.signature(_log_signature).parameters)[3:]
 
 
 @contextmanager
 def _silenced_log(module: nn.Module) -> Iterator[None]:
-    with _patched_log(module, lambda *args, **kwargs: None):
+    with patched_log(module, lambda *args, **kwargs: None):
         yield
 
 
 @contextmanager
-def _patched_log(module: nn.Module, log: Callable[..., None]) -> Iterator[None]:
-    with _instance_attribute(module, "log", log):
+def patched_log(module: nn.Module, log: Callable[..., None]) -> Iterator[None]:
+    with instance_attribute(module, "log", log):
         yield
 
 
 @contextmanager
-def _instance_attribute(module: nn.Module, name: str, value: Any) -> Iterator[None]:
+def instance_attribute(module: nn.Module, name: str, value: Any) -> Iterator[None]:
     """Shadow the method ``name`` of ``module`` by an instance attribute for the duration."""
     table = module.__dict__
     missing = object()

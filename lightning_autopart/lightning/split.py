@@ -16,10 +16,11 @@ from lightning_autopart.capture.keys import layout_digest, registration_digest
 from lightning_autopart.capture.modes import modules_of
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.first_batch import PlanSettings, capture_for_plan, plan_for_batch
-from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.hooks import batch_size_of, find_forward
 from lightning_autopart.lightning.input_checks import check_trainable
 from lightning_autopart.lightning.log_channel import open_log_channel
 from lightning_autopart.lightning.ragged import batchless_outputs
+from lightning_autopart.lightning.step_loss import step_loss
 from lightning_autopart.lightning.steps import PipelinedSteps
 from lightning_autopart.plan import Plan
 from lightning_autopart.runtime.materialize import Materialized, has_meta_tensors, materialize

@@ -235,14 +235,15 @@ def _fix_advice(tables: CostTables, optimizer: str) -> str:
 
 
 def mixing_note(mixed: list[str]) -> str:
-    """What a model whose forward or training step mixes samples does, in a phrase (``mixed``: places as
+    """What a model whose forward or steps mix samples does, in a phrase (``mixed``: places as
     ``mixed_samples`` in capture/batch_stats.py and ``loss_mixing`` in profile/loss.py name them)."""
-    step = "training_step: "
-    in_step = [m.startswith(step) for m in mixed]
-    who = "training_step" if all(in_step) else "the forward and training_step" if any(in_step) else "the forward"
-    places = [m.removeprefix(step) for m in mixed]
+    steps = ("training_step", "validation_step", "test_step")
+    where = {next((s for s in steps if m.startswith(f"{s}: ")), "the forward") for m in mixed}
+    who = " and ".join(w for w in ("the forward", *steps) if w in where)
+    places = [m.split(": ", 1)[1] if m.split(": ", 1)[0] in steps else m for m in mixed]
     shown = "; ".join(places[:2]) + (f" and {len(places) - 2} more" if len(places) > 2 else "")
-    return f"{who} combines samples of the batch into one value ({shown})"
+    verb = "combine" if len(where) > 1 else "combines"
+    return f"{who} {verb} samples of the batch into one value ({shown})"
 
 
 def growth_note(growth: float) -> str:

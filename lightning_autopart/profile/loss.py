@@ -200,10 +200,14 @@ def batch_bytes(loss: object, dtype: torch.dtype | None = None) -> float | None:
 
 
 def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str, Any]:
-    """What the training loss does that micro-batches would change, as profile notes: "batch_mixing" (where it
-    mixes samples: :func:`loss_mixing`) or "loss_growth" (:func:`loss_growth`); empty for a mean over samples."""
-    if mixed := loss_mixing(loss, outputs, limit):
-        return {"batch_mixing": list(mixed)}
+    """What the training loss does that micro-batches would change, as profile notes: "batch_mixing" (where it,
+    or an evaluation step the loss offers as ``evaluation_steps()``, mixes samples: :func:`loss_mixing`) or
+    "loss_growth" (:func:`loss_growth`); empty for a mean over samples that mixes none."""
+    mixed = list(loss_mixing(loss, outputs, limit))
+    for step in getattr(loss, "evaluation_steps", list)():  # they run per micro-batch as well
+        mixed += loss_mixing(step, outputs, limit)
+    if mixed:
+        return {"batch_mixing": mixed}
     growth = loss_growth(loss, outputs)
     return {} if growth is None else {"loss_growth": growth}
 
@@ -235,7 +239,7 @@ def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str,
         return ()
     finally:
         _drop_slice(loss)
-    return trace_flow(traces[0], traces[1], "training_step") or ()
+    return trace_flow(traces[0], traces[1], getattr(loss, "hook", "training_step")) or ()
 
 
 def _fake_like(t: Any, device: torch.device) -> Any:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.first_batch import lightning_syncs_each_step, loop_facts
-from lightning_autopart.lightning.hooks import step_loss
+from lightning_autopart.lightning.step_loss import step_loss
 from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from lightning_autopart.partition.cost import Config, CostTables, config_costs
 from lightning_autopart.partition.dp import solve

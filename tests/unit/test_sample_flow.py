@@ -225,3 +225,34 @@ def test_a_loss_that_needs_values_tells_nothing() -> None:
 
     outputs = {n: torch.empty(n, 4, device="meta") for n in (1, 2, 4)}
     assert loss_mixing(loss, outputs, 4) == ()
+
+
+class _RetrievalValidated(_Contrastive):
+    """A per-sample training loss, and a validation metric that ranks each sample among the batch's others."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        scores = F.normalize(self(x), dim=-1) @ F.normalize(y, dim=-1).T
+        hits = scores.argmax(1) == torch.arange(len(x), device=scores.device)
+        self.log("val_recall", hits.float().mean())
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return self.train_dataloader()
+
+
+@pytest.mark.usefixtures("master_port")
+def test_a_validation_step_that_ranks_samples_keeps_one_micro_batch() -> None:
+    """validation_step runs once per micro-batch as well: recall among 4 samples instead of 16 was logged."""
+    strategy = AutoPartitionStrategy(num_stages=1, profile="estimate")
+    fit_one_device(_RetrievalValidated, strategy)
+    assert strategy.plan is not None and strategy.plan.micro_batches == 1
+    assert strategy.plan.notes["batch_mixing"].startswith("validation_step combines samples of the batch")
+    four = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
+    with pytest.raises(ConfigError, match=r"micro_batches=4, but validation_step combines samples"):
+        fit_one_device(_RetrievalValidated, four)

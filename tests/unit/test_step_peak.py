@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_autopart.cluster import Cluster
 from lightning_autopart.lightning.first_batch import optimizer_spec
-from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+from lightning_autopart.lightning.hooks import batch_size_of, find_forward
+from lightning_autopart.lightning.step_loss import step_loss
 from lightning_autopart.partition import partition
 from lightning_autopart.planner import meta_inputs, profile_model
 from tests.step_peak import StepPeak

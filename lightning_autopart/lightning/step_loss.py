@@ -1,0 +1,152 @@
+"""The user's training loss as a function of the pipelined model's output, for the profiler (see [Note: the
+loss] in profile/loss.py): ``training_step`` run with the model's forward replaced, its logs recorded and its
+metrics left as they were."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_autopart.errors import ConfigError
+from lightning_autopart.lightning.hooks import (
+    LOG_ARGUMENTS,
+    instance_attribute,
+    patched_log,
+    replaced_forward,
+    slice_batch,
+)
+from lightning_autopart.lightning.metrics import is_metric
+from lightning_autopart.profile.curves import resize_batch
+from lightning_autopart.profile.readback import StepReads, ValueReads
+
+__all__ = ["StepLoss", "step_loss"]
+
+
+class StepLoss:
+    """The user's training loss as a function of the pipelined model's output (see [Note: the loss]):
+    ``training_step`` on the first ``samples`` samples of ``batch`` (moved to the output's device), with the
+    model's forward returning ``output``, ``self.log`` recorded instead of logged and torchmetrics states
+    restored afterwards, so profiling it leaves nothing behind. ``reads`` says what the step reads back from
+    the device and logs at each step (see [Note: reads back]); it is recorded until one run completes."""
+
+    def __init__(self, module: Any, root_name: str, batch: Any, batch_size: int, hook: str = "training_step") -> None:
+        self.module, self.root_name, self.batch, self.batch_size = module, root_name, batch, batch_size
+        #: The step it runs: ``training_step``, or an evaluation step traced as the training batch's
+        #: (:meth:`evaluation_steps`).
+        self.hook = hook
+        self.reads = StepReads()
+        #: The slice of the batch the last call read, on the output's device (what the profiler's
+        #: ``profile_loss`` leaves out of the loss's saved bytes: the batch is priced on its own).
+        self.sliced: Any = ()
+        self._placed: tuple[torch.device, Any] | None = None
+        self._tracing = False
+
+    def place(self, device: torch.device | None) -> None:
+        """Hold the batch on ``device`` (None: forget it), so that a call there reads a view of it, as the last
+        stage reads the batch it holds: no copy of it is priced as the loss's (a CPU batch for meta outputs)."""
+        self._placed = None
+        if device is not None:
+            self._placed = (device, _to_device(self.batch, device))
+
+    def __call__(self, output: Any, samples: int) -> torch.Tensor:
+        module = self.module
+        device = next((t.device for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+        batch = self.batch
+        if self._placed is not None and self._placed[0] == device:
+            batch, device = self._placed[1], None  # there already: a view, no copy
+        part = slice_batch(batch, 0, samples, self.batch_size)
+        if device is not None:
+            part = _to_device(part, device)
+        self.sliced = part
+        root = module.get_submodule(self.root_name) if self.root_name else module
+        watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
+        kept = nullcontext() if self._tracing else _metrics_kept(module)  # no metric updates while traced
+        with replaced_forward(root, output), patched_log(module, self._log), kept, watch:
+            out = getattr(module, self.hook)(part, 0)
+        self.reads.seen = True
+        value = out.get("loss") if isinstance(out, dict) else out
+        if self.hook != "training_step":
+            return value if isinstance(value, torch.Tensor) else torch.zeros(())
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
+            )
+        return value
+
+    def repeated(self, copies: int) -> StepLoss:
+        """The loss over the batch's first sample repeated ``copies`` times (``loss_growth`` in profile/loss.py)."""
+        one = slice_batch(self.batch, 0, 1, self.batch_size)
+        return StepLoss(self.module, self.root_name, resize_batch(one, 1, copies), copies)
+
+    def evaluation_steps(self) -> list[StepLoss]:
+        """The module's own ``validation_step`` and ``test_step``, each as a loss over this batch: they run once
+        per micro-batch too, so the profiler traces them where they mix samples (``loss_findings`` in
+        profile/loss.py; a step that cannot run on this batch tells nothing)."""
+        hooks = [h for h in ("validation_step", "test_step") if is_overridden(h, self.module, L.LightningModule)]
+        return [StepLoss(self.module, self.root_name, self.batch, self.batch_size, hook) for hook in hooks]
+
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors (``loss_mixing``
+        in profile/loss.py), which hold no values for a metric to count, and a metric changes nothing the loss
+        computes."""
+        with ExitStack() as stack:
+            for m in self.module.modules():
+                if is_metric(m):
+                    stack.enter_context(instance_attribute(m, "forward", _no_update))
+                    stack.enter_context(instance_attribute(m, "update", _no_update))
+            self._tracing = True
+            try:
+                yield
+            finally:
+                self._tracing = False
+
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
+            return  # converting it to a number reads nothing from a device
+        options = {**dict(zip(LOG_ARGUMENTS, args, strict=False)), **kwargs}
+        self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
+
+
+def _no_update(*args: Any, **kwargs: Any) -> None:
+    """A metric's ``forward`` and ``update`` while the loss is traced (:meth:`StepLoss.tracing`)."""
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` with every tensor moved to ``device`` (other leaves as they are)."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def step_loss(module: Any, root_name: str, batch: Any, batch_size: int) -> StepLoss:
+    """The training loss of ``module``'s ``training_step`` on ``batch`` as a function of the output of its
+    submodule ``root_name`` (:class:`StepLoss`)."""
+    return StepLoss(module, root_name, batch, batch_size)
+
+
+@contextmanager
+def _metrics_kept(module: nn.Module) -> Iterator[None]:
+    """Restore every torchmetrics ``Metric`` of ``module`` on exit: its states and its other attributes, which a
+    ``forward`` that raised halfway (on the planner's meta tensors) leaves changed (``_to_sync=False`` would stop
+    this rank's ``compute()`` from joining the others')."""
+    metrics: list[Any] = [m for m in module.modules() if is_metric(m)]
+    saved = []
+    for m in metrics:
+        table = dict(m.__dict__)
+        for k in (*m._defaults, "_computed", "_forward_cache", "_cache"):
+            if k in table:
+                table[k] = copy.deepcopy(table[k])
+        saved.append(table)
+    try:
+        yield
+    finally:
+        for m, table in zip(metrics, saved, strict=True):
+            m.__dict__.clear()
+            m.__dict__.update(table)
