@@ -82,7 +82,8 @@ def profile_model(
         join_curves,
         resize_batch,
     )
-    from lightning_autopart.profile.loss import batch_bytes, loss_context, loss_findings, profile_loss
+    from lightning_autopart.profile.loss import batch_bytes, loss_context, profile_loss
+    from lightning_autopart.profile.step_checks import loss_findings
 
     if profile not in ("estimate", "measure"):
         raise ConfigError(f"unknown profile mode {profile!r}; use 'estimate' or 'measure'")

@@ -198,14 +198,18 @@ def capture_logs(module: nn.Module, records: list[LogRecord]) -> Iterator[None]:
         yield
 
 
-def merge_logs(records: list[LogRecord], samples: list[int] | None = None) -> list[LogRecord]:
+def merge_logs(
+    records: list[LogRecord], samples: list[int] | None = None, combine: dict[str, str] | None = None
+) -> list[LogRecord]:
     """One record per name: the mean of its micro-batch values, last call's options; a logged metric's value
     is its step value, and each updated metric is noted once, after them.
 
     ``samples[j]`` is how many samples the micro-batch that made ``records[j]`` held: values of micro-batches
     of different sizes (a ragged batch, see [Note: ragged batches]) are weighted by them, and a ``batch_size``
     the step gave as its micro-batch's size becomes the batch's (their sum), as one process logs it. None:
-    equal micro-batches. Tensors are averaged on their device; nothing is read back to the host.
+    equal micro-batches. ``combine[name]``: "sum", "max" or "min" for a value that is one over the samples, not
+    a mean ([Note: logged values over micro-batches] in profile/step_checks.py). Tensors are combined on their device;
+    nothing is read back to the host.
     """
     merged: dict[str, list[tuple[LogRecord, int]]] = {}
     notes = []
@@ -225,22 +229,37 @@ def merge_logs(records: list[LogRecord], samples: list[int] | None = None) -> li
         if len(recs) == 1:
             out.append(recs[0] if kwargs is recs[0].kwargs else replace(recs[0], kwargs=kwargs))
             continue
+        how = (combine or {}).get(name, "mean")
         total = sum(counts)
-        weights = None if len(set(counts)) == 1 else [c / total for c in counts]
+        weights = None if len(set(counts)) == 1 or how != "mean" else [c / total for c in counts]
         value: Any
         if isinstance(last, torch.Tensor):
-            values = [torch.as_tensor(r.value, dtype=torch.float64, device=last.device) for r in recs]
-            if weights is None:
-                value = torch.stack(values).mean(0).to(last.dtype)
+            values = torch.stack([torch.as_tensor(r.value, dtype=torch.float64, device=last.device) for r in recs])
+            if how != "mean":
+                value = _REDUCE[how](values).to(last.dtype)
+            elif weights is None:
+                value = values.mean(0).to(last.dtype)
             else:  # Python weights: no host-to-device copy
                 weighted = [v * w for v, w in zip(values, weights, strict=True)]
                 value = torch.stack(weighted).sum(0).to(last.dtype)
-        elif weights is None:
-            value = sum(float(r.value) for r in recs) / len(recs)
         else:
-            value = sum(float(r.value) * w for r, w in zip(recs, weights, strict=True))
+            numbers = [float(r.value) for r in recs]
+            if how != "mean":
+                value = float(_REDUCE[how](torch.tensor(numbers, dtype=torch.float64)))
+            elif weights is None:
+                value = sum(numbers) / len(numbers)
+            else:
+                value = sum(v * w for v, w in zip(numbers, weights, strict=True))
         out.append(LogRecord(name, value, kwargs))
     return out + finish_notes(notes)
+
+
+#: How the micro-batches' values of a logged value that is not a mean combine, by ``combine`` name.
+_REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sum": lambda t: t.sum(0),
+    "max": lambda t: t.amax(0),
+    "min": lambda t: t.amin(0),
+}
 
 
 def _whole_batch_size(records: list[LogRecord], samples: list[int]) -> dict[str, Any]:

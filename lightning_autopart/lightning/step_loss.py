@@ -24,7 +24,6 @@ from lightning_autopart.lightning.hooks import (
     slice_batch,
 )
 from lightning_autopart.lightning.metrics import is_metric
-from lightning_autopart.profile.curves import resize_batch
 from lightning_autopart.profile.readback import StepReads, ValueReads
 
 __all__ = ["StepLoss", "step_loss"]
@@ -48,6 +47,8 @@ class StepLoss:
         self.sliced: Any = ()
         self._placed: tuple[torch.device, Any] | None = None
         self._tracing = False
+        #: The last value of each number the step logged (a one-element tensor, detached, or a number).
+        self.logged: dict[str, Any] = {}
 
     def place(self, device: torch.device | None) -> None:
         """Hold the batch on ``device`` (None: forget it), so that a call there reads a view of it, as the last
@@ -81,23 +82,30 @@ class StepLoss:
             )
         return value
 
-    def repeated(self, copies: int) -> StepLoss:
-        """The loss over the batch's first sample repeated ``copies`` times (``loss_growth`` in profile/loss.py)."""
-        one = slice_batch(self.batch, 0, 1, self.batch_size)
-        return StepLoss(self.module, self.root_name, resize_batch(one, 1, copies), copies)
+    def rows(self, indices: list[int]) -> StepLoss:
+        """The loss over the batch's samples ``indices``, in that order and repeats allowed (the step checks of
+        profile/step_checks.py run it on one sample, on it repeated, on two)."""
+        index = torch.tensor(indices)
+
+        def pick(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.batch_size:
+                return x[index.to(x.device)]
+            return x
+
+        return StepLoss(self.module, self.root_name, tree_map(pick, self.batch), len(indices), self.hook)
 
     def evaluation_steps(self) -> list[StepLoss]:
         """The module's own ``validation_step`` and ``test_step``, each as a loss over this batch: they run once
         per micro-batch too, so the profiler traces them where they mix samples (``loss_findings`` in
-        profile/loss.py; a step that cannot run on this batch tells nothing)."""
+        profile/step_checks.py; a step that cannot run on this batch tells nothing)."""
         hooks = [h for h in ("validation_step", "test_step") if is_overridden(h, self.module, L.LightningModule)]
         return [StepLoss(self.module, self.root_name, self.batch, self.batch_size, hook) for hook in hooks]
 
     @contextmanager
     def tracing(self) -> Iterator[None]:
-        """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors (``loss_mixing``
-        in profile/loss.py), which hold no values for a metric to count, and a metric changes nothing the loss
-        computes."""
+        """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors
+        (``loss_mixing`` in profile/step_checks.py), which hold no values for a metric to count, and a metric
+        changes nothing the loss computes."""
         with ExitStack() as stack:
             for m in self.module.modules():
                 if is_metric(m):
@@ -110,6 +118,8 @@ class StepLoss:
                 self._tracing = False
 
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+            self.logged[name] = value.detach() if isinstance(value, torch.Tensor) else value
         if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
             return  # converting it to a number reads nothing from a device
         options = {**dict(zip(LOG_ARGUMENTS, args, strict=False)), **kwargs}

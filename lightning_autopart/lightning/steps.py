@@ -88,6 +88,9 @@ class PipelinedSteps:
         #: Finds a NaN or infinite training loss without a host sync per step (see [Note: non-finite loss]).
         plan = runner.plan
         self.losses = LossCheck(plan.num_stages - 1, channel.src, plan.world_size, runner.placement.rank)
+        #: How logged values that are not means combine over micro-batches, by name ([Note: logged values over
+        #: micro-batches] in profile/step_checks.py).
+        self.combine: dict[str, str] = dict(plan.notes.get("log_combines") or {})
 
     def root(self) -> nn.Module:
         """The pipelined module."""
@@ -136,7 +139,7 @@ class PipelinedSteps:
         finally:
             self.runner.loss_fn = None  # the closure holds the batch: it must not outlive the step
         value, _ = self.replay(
-            "training_step", None if loss is None else loss * accumulate, merge_logs(records, samples)
+            "training_step", None if loss is None else loss * accumulate, merge_logs(records, samples, self.combine)
         )
         self.losses.observe(value, getattr(module, "_trainer", None), batch_idx, scaled=self.scale is not None)
         return value
@@ -177,7 +180,7 @@ class PipelinedSteps:
         inputs = self.inputs(lambda: step(*full_args, **full_kwargs))
         target = batch_range(self.runner.local_batch_size) if self.runner.is_last else None
         self.runner.eval_step(inputs, target, each)
-        self.replay(hook, None, merge_logs(records, samples))
+        self.replay(hook, None, merge_logs(records, samples, self.combine))
         return merge_outputs(outputs, weights) if self.runner.is_last else None
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:

@@ -107,8 +107,10 @@ def build_plan(
         notes["unpriced_ops"] = ", ".join(profile.meta["opaque_ops"])
     if mixed := profile.meta.get("batch_mixing"):  # [Note: values that mix samples] in capture/batch_stats.py
         notes["batch_mixing"] = f"{mixing_note(mixed)}: one micro-batch per replica, as more would change it"
-    if (growth := profile.meta.get("loss_growth")) is not None:  # [Note: a loss that grows] in profile/loss.py
+    if (growth := profile.meta.get("loss_growth")) is not None:  # [Note: a loss that grows] in step_checks.py
         notes["loss_growth"] = f"{growth_note(growth)}: one micro-batch per replica, as more would scale it"
+    if combines := profile.meta.get("log_combines"):  # [Note: logged values over micro-batches]
+        notes["log_combines"] = dict(combines)
     if mb > 1 and (norms := profile.meta.get("batch_statistics")):
         notes["batch_statistics"] = batch_statistics_note(norms, batch_size // (cfg.replicas * mb), mb)
     if ckpt:
@@ -236,7 +238,7 @@ def _fix_advice(tables: CostTables, optimizer: str) -> str:
 
 def mixing_note(mixed: list[str]) -> str:
     """What a model whose forward or steps mix samples does, in a phrase (``mixed``: places as
-    ``mixed_samples`` in capture/batch_stats.py and ``loss_mixing`` in profile/loss.py name them)."""
+    ``mixed_samples`` in capture/batch_stats.py and ``loss_mixing`` in profile/step_checks.py name them)."""
     steps = ("training_step", "validation_step", "test_step")
     where = {next((s for s in steps if m.startswith(f"{s}: ")), "the forward") for m in mixed}
     who = " and ".join(w for w in ("the forward", *steps) if w in where)
@@ -248,7 +250,7 @@ def mixing_note(mixed: list[str]) -> str:
 
 def growth_note(growth: float) -> str:
     """What a training step whose loss grows with its samples does, in a phrase (``growth``: ``loss_growth`` in
-    profile/loss.py)."""
+    profile/step_checks.py)."""
     return (
         f"training_step's loss on one sample repeated twice is {growth:.3g} times its loss on the sample once "
         "(a sum over samples, not a mean)"
@@ -258,7 +260,7 @@ def growth_note(growth: float) -> str:
 def single_reasons(meta: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Why a profile's model needs one micro-batch per replica, as (what it does, what micro-batches would do,
     the fix besides micro_batches=1): samples mixed ([Note: values that mix samples] in capture/batch_stats.py),
-    a loss that grows with its samples ([Note: a loss that grows] in profile/loss.py)."""
+    a loss that grows with its samples ([Note: a loss that grows] in profile/step_checks.py)."""
     reasons = []
     if mixed := meta.get("batch_mixing"):
         reasons.append((

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_loss_growth import check_summed_loss
 from tests.unit.test_sample_flow import check_contrastive_step
+from tests.unit.test_step_checks import check_summed_loss
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,7 +22,7 @@ from lightning_autopart.capture.batch_stats import mixed_samples
 from lightning_autopart.capture.sample_flow import RecordOps, SampleFlow, Trace, trace_flow
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile.curves import resize_batch
-from lightning_autopart.profile.loss import loss_mixing
+from lightning_autopart.profile.step_checks import loss_mixing
 from tests.one_device import fit_one_device
 
 

@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_autopart import AutoPartitionStrategy
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.profile.loss import loss_growth
+from lightning_autopart.profile.step_checks import log_combines, loss_growth
 from tests.one_device import fit_one_device
 
 
 class _Step:
-    """A loss as the strategy's StepLoss offers it: a batch, and the loss over its first sample repeated."""
+    """A loss as the strategy's StepLoss offers it: a batch, and the loss over some of its rows."""
 
     def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: torch.Tensor) -> None:
         self.fn, self.batch = fn, batch
@@ -31,8 +31,8 @@ class _Step:
     def __call__(self, output: torch.Tensor, samples: int) -> torch.Tensor:
         return self.fn(output, self.batch[:samples])
 
-    def repeated(self, copies: int) -> _Step:
-        return _Step(self.fn, self.batch[:1].repeat(copies, *([1] * (self.batch.dim() - 1))))
+    def rows(self, indices: list[int]) -> _Step:
+        return _Step(self.fn, self.batch[torch.tensor(indices)])
 
 
 #: Token labels with padding (-100), and the outputs' shapes (batch first) for them and for regression targets.
@@ -111,3 +111,50 @@ def test_a_summed_loss_trains_as_plain_lightning() -> None:
     """Before: 4 micro-batches logged 45.2 where plain Lightning logged 180.6 (a quarter), and trained with a
     quarter of the gradient. Now the plan keeps one micro-batch, and micro_batches=4 is refused with the fix."""
     check_summed_loss("cpu")
+
+
+class _Counted(_Summed):
+    """A mean loss, and values logged as the batch's sum, maximum and minimum beside it."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = F.mse_loss(out, y)
+        self.log("train_loss", loss)
+        self.log("positive_targets", (y > 0).sum().float())
+        self.log("largest_output", out.max())
+        self.log("smallest_output", out.min())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _logged(strategy: object) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = _Counted()
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, use_distributed_sampler=False,
+                        enable_model_summary=False, **quiet)  # fmt: skip
+    try:
+        trainer.fit(model)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@pytest.mark.usefixtures("master_port")
+def test_logged_values_combine_over_micro_batches_as_over_samples() -> None:
+    """[Note: logged values over micro-batches]: a sum, a maximum and a minimum logged by the step were merged
+    as means of their micro-batches' values (a quarter of the sum with 4 micro-batches)."""
+    loss = _Step(lambda out, y: F.mse_loss(out, y), torch.randn(4, 4))
+    outputs = {n: torch.empty(n, 4, device="meta") for n in (1, 2, 4)}
+    assert log_combines(loss, outputs) == {}  # logs nothing
+    strategy = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
+    got, expected = _logged(strategy), _logged("auto")
+    assert strategy.plan is not None and strategy.plan.micro_batches == 4
+    assert strategy.plan.notes["log_combines"] == {
+        "largest_output": "max", "positive_targets": "sum", "smallest_output": "min",
+    }  # fmt: skip
+    assert got == pytest.approx(expected, rel=1e-5)

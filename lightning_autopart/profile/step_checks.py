@@ -1,0 +1,242 @@
+"""What a training step does that micro-batches would change, found before planning.
+
+The pipeline runs ``training_step`` (and the evaluation steps) once per micro-batch, divides each micro-batch's
+loss by their count and merges what each logged. That is plain Lightning's step where the step treats its
+samples apart and averages them. This module checks the user's step against that, on stand-ins for the model's
+output: where it mixes samples ([Note: sample flow] in capture/sample_flow.py), where its loss is not a mean
+(below), and how each value it logs combines over samples ([Note: logged values over micro-batches]).
+
+[Note: a loss that grows] The pipeline computes the loss of each micro-batch and divides it by the micro-batch
+count, as Lightning's gradient accumulation divides each batch's: the total is the batch's loss where the loss
+is a mean over samples. A sum (``F.mse_loss(..., reduction="sum")``, a VAE's summed reconstruction and KL terms)
+would come out scaled by 1 / micro_batches, gradients and logged loss alike (a step of 4 micro-batches logged
+45.2 where plain Lightning logged 180.6, and trained otherwise). :func:`loss_growth` runs the step on one sample
+and on that sample repeated twice (random outputs, the batch's first sample): a mean gives the same loss, a sum
+twice it. A loss that does not give the same is planned with one micro-batch per replica, as samples that mix
+are, and more micro-batches are refused with the fix (``partition/build.py``). A loss computed inside the
+model's forward (a Hugging Face model given labels) is not run here.
+
+[Note: logged values over micro-batches] The values a step logs are merged over its micro-batches: a mean of
+means is the batch's mean, but a sum (tokens seen), a maximum or a minimum (the largest logit) is not. The step
+is run on two samples apart and together (random outputs); a value that comes out as their sum, their maximum
+or their minimum, and not their mean, is merged so (``log_combines`` in the profile, ``combine`` in
+``merge_logs``). A value that is none of these (a mean weighted by tokens) is averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from lightning_autopart.capture.sample_flow import RecordOps, Trace, trace_flow
+from lightning_autopart.profile.loss import LossFn, _drop_slice
+
+__all__ = ["log_combines", "loss_findings", "loss_growth", "loss_mixing"]
+
+
+def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str, Any]:
+    """What the training step does that micro-batches would change, as profile notes: "batch_mixing" (where it,
+    or an evaluation step the loss offers as ``evaluation_steps()``, mixes samples: :func:`loss_mixing`),
+    "loss_growth" (:func:`loss_growth`) and "log_combines" (:func:`log_combines`); empty for a step that
+    averages its samples apart and logs means."""
+    found: dict[str, Any] = {}
+    mixed = list(loss_mixing(loss, outputs, limit))
+    for step in getattr(loss, "evaluation_steps", list)():  # they run per micro-batch as well
+        mixed += loss_mixing(step, outputs, limit)
+    if mixed:
+        return {"batch_mixing": mixed}
+    runs = _sample_runs(loss, outputs)
+    if (growth := _growth(runs)) is not None:
+        found["loss_growth"] = growth
+    if combines := _combines(runs):
+        found["log_combines"] = combines
+    return found
+
+
+def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str, ...]:
+    """Where the training loss mixes samples (a contrastive loss's ``(batch, batch)`` scores, a normalization
+    over the batch; see [Note: sample flow] in capture/sample_flow.py), as "training_step: operation (shape)":
+    ``loss`` traced at the two smallest sizes of ``outputs`` (the model's output by batch size) up to ``limit``,
+    on fake tensors (no memory) on the batch's device, inside ``loss.tracing()`` where the loss has one (the
+    strategy's: torchmetrics updates skipped). Nothing where it cannot tell: fewer than two sizes, or a loss that
+    needs values (``.item()``) or does not trace alike at both."""
+    sizes = sorted(n for n in outputs if n <= limit)
+    sizes = [n for n in sizes if n > 1][:2] if len([n for n in sizes if n > 1]) > 1 else sizes[:2]
+    if len(sizes) < 2:
+        return ()
+    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
+    device = batch[0].device if batch else torch.device("cpu")
+    traces = []
+    tracing = getattr(loss, "tracing", nullcontext)  # the strategy's step skips its metrics' updates there
+    try:
+        for n in sizes:
+            trace = Trace()
+            with tracing(), FakeTensorMode(allow_non_fake_inputs=True):
+                fake = tree_map(lambda t: _fake_like(t, device), outputs[n])
+                with RecordOps(trace):
+                    loss(fake, n)
+            traces.append(trace)
+    except Exception:  # user code that needs values: nothing can be told
+        return ()
+    finally:
+        _drop_slice(loss)
+    return trace_flow(traces[0], traces[1], getattr(loss, "hook", "training_step")) or ()
+
+
+def _fake_like(t: Any, device: torch.device) -> Any:
+    """An empty tensor of ``t``'s shape and dtype on ``device`` (inside a fake mode: no memory), needing a
+    gradient where it is floating, as the model's output does; other leaves as they are."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.is_floating_point())
+
+
+#: How far from 1 the growth of a loss that averages its samples may be (rounding, in bfloat16 too); also how
+#: near a logged value must come to a sum, maximum or minimum of two samples' to be merged so.
+_TOLERANCE = 0.02
+
+#: Largest random outputs (for two samples) the runs below put on a device.
+_DEVICE_BYTES = 1 << 28
+
+#: The batch rows each run takes: the first sample, it repeated, the second, the first two together.
+_ROWS: tuple[tuple[int, ...], ...] = ((0,), (0, 0), (1,), (0, 1))
+
+#: A run's result: the loss, and each number the step logged (by name).
+Run = tuple[float, dict[str, float]]
+
+
+def loss_growth(loss: LossFn, outputs: dict[int, Any]) -> float | None:
+    """How the training loss grows with its samples where it is not a mean over them (see [Note: a loss that
+    grows]): its value on one sample repeated twice over its value on that sample once (2 for a sum; a mean
+    gives 1, and None). None also where it cannot tell (see :func:`_sample_runs`, or a loss of zero)."""
+    return _growth(_sample_runs(loss, outputs))
+
+
+def log_combines(loss: LossFn, outputs: dict[int, Any]) -> dict[str, str]:
+    """How each number the step logs combines over samples where it is not a mean ([Note: logged values over
+    micro-batches]): "sum", "max" or "min", by name."""
+    return _combines(_sample_runs(loss, outputs))
+
+
+def _growth(runs: dict[tuple[int, ...], Run] | None) -> float | None:
+    if runs is None or (0,) not in runs or (0, 0) not in runs:
+        return None
+    once, twice = runs[(0,)][0], runs[(0, 0)][0]
+    if not (math.isfinite(once) and math.isfinite(twice)) or abs(once) < 1e-12:
+        return None
+    growth = twice / once
+    return None if abs(growth - 1) <= _TOLERANCE else growth
+
+
+def _combines(runs: dict[tuple[int, ...], Run] | None) -> dict[str, str]:
+    if runs is None or (0, 1) not in runs:
+        return {}
+    logs = [runs[r][1] for r in ((0,), (1,), (0, 1))]
+    found = {}
+    for name in set(logs[0]) & set(logs[1]) & set(logs[2]):
+        a, b, both = (log[name] for log in logs)
+        candidates = {"mean": (a + b) / 2, "sum": a + b, "max": max(a, b), "min": min(a, b)}
+        near = [how for how, v in candidates.items() if abs(both - v) <= _TOLERANCE * max(abs(both), abs(v), 1e-6)]
+        if near and near[0] != "mean":  # the mean first: two equal values are a mean, a maximum and a minimum
+            found[name] = near[0]
+    return dict(sorted(found.items()))
+
+
+def _sample_runs(loss: LossFn, outputs: dict[int, Any]) -> dict[tuple[int, ...], Run] | None:
+    """The step run on each of :data:`_ROWS` (``loss.rows(indices)``: the loss over those rows of its batch;
+    the second sample's only where the batch has two), on random outputs for each sample (their shapes from
+    the two smallest sizes of ``outputs``): on the CPU (no device memory while the model may fill it), else
+    on the batch's device where the outputs are small. None where it cannot tell: a loss without ``rows``,
+    fewer than two sizes, an output with two dimensions that follow the batch, or a step that fails."""
+    rows = getattr(loss, "rows", None)
+    sizes = sorted(outputs)[:2]
+    if not callable(rows) or len(sizes) < 2:
+        return None
+    shapes = _one_sample(outputs[sizes[0]], outputs[sizes[1]], *sizes)
+    if shapes is None:
+        return None
+    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
+    wanted: list[tuple[int, ...]] = [r for r in _ROWS if max(r) < getattr(loss, "batch_size", 1)]
+    devices = [torch.device("cpu")]
+    if batch and batch[0].device.type != "cpu" and 2 * _nbytes(outputs[sizes[0]]) // sizes[0] <= _DEVICE_BYTES:
+        devices.append(batch[0].device)  # a step that makes its tensors on self.device runs there
+    for device in devices:
+        runs = _run(rows, wanted, *shapes, device)
+        if runs is not None:
+            return runs
+    return None
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _one_sample(x_tree: Any, y_tree: Any, a: int, b: int) -> tuple[list[Any], Any, list[int | None]] | None:
+    """The leaves of the model's output for one sample (as shape and dtype), its structure, and each leaf's
+    dimension that follows the batch (None: none), from the outputs at ``a`` and ``b`` samples; None where a
+    leaf has two such dimensions, or one not proportional to the batch."""
+    leaves, spec = tree_flatten(x_tree)
+    one: list[Any] = []
+    dims: list[int | None] = []
+    for x, y in zip(leaves, tree_leaves(y_tree), strict=True):
+        if not isinstance(x, torch.Tensor):
+            one.append(x)
+            dims.append(None)
+            continue
+        if not isinstance(y, torch.Tensor) or x.dim() != y.dim():
+            return None
+        follow = [d for d in range(x.dim()) if x.shape[d] != y.shape[d]]
+        per = [(y.shape[d] - x.shape[d]) // (b - a) for d in follow]
+        if len(follow) > 1 or any(x.shape[d] != n * a for d, n in zip(follow, per, strict=True)):
+            return None  # mixed samples, or a size not proportional to the batch: nothing to repeat
+        one.append((tuple(per[0] if d in follow else n for d, n in enumerate(x.shape)), x.dtype))
+        dims.append(follow[0] if follow else None)
+    return one, spec, dims
+
+
+def _run(
+    rows: Callable[[list[int]], LossFn],
+    wanted: list[tuple[int, ...]],
+    one: list[Any],
+    spec: Any,
+    dims: list[int | None],
+    device: torch.device,
+) -> dict[tuple[int, ...], Run] | None:
+    """The step on each rows of ``wanted``, its outputs the random ones of those samples (``one``: shapes and
+    dtypes for one sample, drawn once per sample) on ``device``, the same random draws in the step at each;
+    None where the step fails there."""
+    samples: dict[int, list[Any]] = {}
+    for index in sorted({i for r in wanted for i in r}):
+        samples[index] = [_random(leaf, device) for leaf in one]
+    runs = {}
+    try:
+        for indices in wanted:
+            leaves = []
+            for k, dim in enumerate(dims):
+                parts = [samples[i][k] for i in indices]
+                leaves.append(parts[0] if dim is None else torch.cat(parts, dim))
+            step = rows(list(indices))
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+                torch.manual_seed(0)
+                value = float(step(tree_unflatten(leaves, spec), len(indices)))
+            logged = {k: float(v) for k, v in getattr(step, "logged", {}).items()}
+            runs[indices] = (value, logged)
+    except Exception:  # user code that cannot run here
+        return None
+    return runs
+
+
+def _random(leaf: Any, device: torch.device) -> Any:
+    """A random tensor of ``leaf``'s shape and dtype (integers: zeros) on ``device``; another leaf as it is."""
+    if not isinstance(leaf, tuple):
+        return leaf
+    shape, dtype = leaf
+    if dtype.is_floating_point:
+        return torch.randn(shape, device=device).to(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
