@@ -46,16 +46,21 @@ def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str
     "loss_growth" (:func:`loss_growth`) and "log_combines" (:func:`log_combines`); empty for a step that
     averages its samples apart and logs means."""
     found: dict[str, Any] = {}
+    evaluation: list[LossFn] = getattr(loss, "evaluation_steps", list)()  # they run per micro-batch as well
     mixed = list(loss_mixing(loss, outputs, limit))
-    for step in getattr(loss, "evaluation_steps", list)():  # they run per micro-batch as well
+    for step in evaluation:
         mixed += loss_mixing(step, outputs, limit)
     if mixed:
         return {"batch_mixing": mixed}
     runs = _sample_runs(loss, outputs)
     if (growth := _growth(runs)) is not None:
         found["loss_growth"] = growth
-    if combines := _combines(runs):
-        found["log_combines"] = combines
+    combines: dict[str, str] = {}
+    for step in evaluation:
+        combines.update(_combines(_sample_runs(step, outputs)))
+    combines.update(_combines(runs))  # the training step's, where a name is logged by several steps
+    if combines:
+        found["log_combines"] = dict(sorted(combines.items()))
     return found
 
 

@@ -114,7 +114,8 @@ def test_a_summed_loss_trains_as_plain_lightning() -> None:
 
 
 class _Counted(_Summed):
-    """A mean loss, and values logged as the batch's sum, maximum and minimum beside it."""
+    """A mean loss, and values logged as the batch's sum, maximum and minimum beside it; a validation step that
+    logs a sum too."""
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -126,6 +127,14 @@ class _Counted(_Summed):
         self.log("smallest_output", out.min())
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+        self.log("val_positive_targets", (y > 0).sum().float())
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return self.train_dataloader()
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -134,7 +143,7 @@ def _logged(strategy: object) -> dict[str, float]:
     torch.manual_seed(0)
     model = _Counted()
     quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, use_distributed_sampler=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, use_distributed_sampler=False,
                         enable_model_summary=False, **quiet)  # fmt: skip
     try:
         trainer.fit(model)
@@ -155,6 +164,7 @@ def test_logged_values_combine_over_micro_batches_as_over_samples() -> None:
     got, expected = _logged(strategy), _logged("auto")
     assert strategy.plan is not None and strategy.plan.micro_batches == 4
     assert strategy.plan.notes["log_combines"] == {
-        "largest_output": "max", "positive_targets": "sum", "smallest_output": "min",
+        "largest_output": "max", "positive_targets": "sum", "smallest_output": "min", "val_positive_targets": "sum",
     }  # fmt: skip
+    assert {"val_loss", "val_positive_targets"} <= set(got)
     assert got == pytest.approx(expected, rel=1e-5)
