@@ -109,6 +109,7 @@ class PipelinedSteps:
         samples: list[int] = []  # the real samples of the micro-batch that made each record
         module = self.module
         local, count = self.runner.local_batch_size, self.runner.plan.micro_batches
+        summed = self.runner.plan.notes.get("loss_reduction") == "sum"
 
         def loss_fn(output: Any, index: Tensor) -> Tensor:
             lo, hi = sample_range(index)
@@ -126,7 +127,9 @@ class PipelinedSteps:
                 raise ConfigError(
                     "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
                 )
-            if size < local:  # the runner divides by the micro-batches: weight by real samples
+            if summed:  # a sum over samples: the micro-batches' sums add up ([Note: a loss that grows])
+                loss = loss * count
+            elif size < local:  # the runner divides by the micro-batches: weight by real samples
                 loss = loss * (rows * count / size)
             return loss / accumulate
 

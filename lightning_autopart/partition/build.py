@@ -111,6 +111,8 @@ def build_plan(
         notes["loss_growth"] = f"{growth_note(growth)}: one micro-batch per replica, as more would scale it"
     if combines := profile.meta.get("log_combines"):  # [Note: logged values over micro-batches]
         notes["log_combines"] = dict(combines)
+    if profile.meta.get("loss_reduction") == "sum":  # each micro-batch's loss added ([Note: a loss that grows])
+        notes["loss_reduction"] = "sum"
     if mb > 1 and (norms := profile.meta.get("batch_statistics")):
         notes["batch_statistics"] = batch_statistics_note(norms, batch_size // (cfg.replicas * mb), mb)
     if ckpt:
@@ -253,7 +255,7 @@ def growth_note(growth: float) -> str:
     profile/step_checks.py)."""
     return (
         f"training_step's loss on one sample repeated twice is {growth:.3g} times its loss on the sample once "
-        "(a sum over samples, not a mean)"
+        "(neither a mean over samples nor a sum)"
     )
 
 
@@ -272,9 +274,9 @@ def single_reasons(meta: dict[str, Any]) -> list[tuple[str, str, str]]:
     if (growth := meta.get("loss_growth")) is not None:
         reasons.append((
             growth_note(growth),
-            "the pipeline averages its micro-batches' losses, as Lightning's gradient accumulation averages its "
-            "batches', so a sum would be scaled by 1 / micro_batches, gradients and logged loss alike",
-            "divide the loss by the batch's samples (reduction='mean')",
+            "the pipeline averages its micro-batches' losses (or adds them, for a sum over samples), and neither "
+            "gives this loss of the whole batch",
+            "make it a mean over the batch's samples (reduction='mean') or a sum (reduction='sum')",
         ))  # fmt: skip
     return reasons
 

@@ -9,12 +9,15 @@ output: where it mixes samples ([Note: sample flow] in capture/sample_flow.py), 
 [Note: a loss that grows] The pipeline computes the loss of each micro-batch and divides it by the micro-batch
 count, as Lightning's gradient accumulation divides each batch's: the total is the batch's loss where the loss
 is a mean over samples. A sum (``F.mse_loss(..., reduction="sum")``, a VAE's summed reconstruction and KL terms)
-would come out scaled by 1 / micro_batches, gradients and logged loss alike (a step of 4 micro-batches logged
-45.2 where plain Lightning logged 180.6, and trained otherwise). :func:`loss_growth` runs the step on one sample
-and on that sample repeated twice (random outputs, the batch's first sample): a mean gives the same loss, a sum
-twice it. A loss that does not give the same is planned with one micro-batch per replica, as samples that mix
-are, and more micro-batches are refused with the fix (``partition/build.py``). A loss computed inside the
-model's forward (a Hugging Face model given labels) is not run here.
+came out scaled by 1 / micro_batches, gradients and logged loss alike (a step of 4 micro-batches logged 45.2
+where plain Lightning logged 180.6, and trained otherwise). :func:`loss_growth` runs the step on one sample and
+on that sample repeated twice (random outputs, the batch's first sample): a mean gives the same loss, a sum
+twice it. A sum is planned as "loss_reduction": "sum", and each micro-batch's loss is then added, not averaged
+(``PipelinedSteps.train``), its logged value summed ([Note: logged values over micro-batches]): the batch's
+sum, as plain Lightning's step computes it (with replicas, their mean, as DDP averages them). A loss that grows
+otherwise (a sum plus a constant) is planned with one micro-batch per replica, as samples that mix are, and
+more micro-batches are refused with the fix (``partition/build.py``). A loss computed inside the model's
+forward (a Hugging Face model given labels) is not run here.
 
 [Note: logged values over micro-batches] The values a step logs are merged over its micro-batches: a mean of
 means is the batch's mean, but a sum (tokens seen), a maximum or a minimum (the largest logit) is not. The step
@@ -43,8 +46,9 @@ __all__ = ["log_combines", "loss_findings", "loss_growth", "loss_mixing"]
 def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str, Any]:
     """What the training step does that micro-batches would change, as profile notes: "batch_mixing" (where it,
     or an evaluation step the loss offers as ``evaluation_steps()``, mixes samples: :func:`loss_mixing`),
-    "loss_growth" (:func:`loss_growth`) and "log_combines" (:func:`log_combines`); empty for a step that
-    averages its samples apart and logs means."""
+    "loss_reduction" ("sum": a loss that sums its samples), "loss_growth" (a loss that neither averages nor sums
+    them: :func:`loss_growth`) and "log_combines" (:func:`log_combines`); empty for a step that averages its
+    samples apart and logs means."""
     found: dict[str, Any] = {}
     evaluation: list[LossFn] = getattr(loss, "evaluation_steps", list)()  # they run per micro-batch as well
     mixed = list(loss_mixing(loss, outputs, limit))
@@ -53,7 +57,9 @@ def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str
     if mixed:
         return {"batch_mixing": mixed}
     runs = _sample_runs(loss, outputs)
-    if (growth := _growth(runs)) is not None:
+    if (growth := _growth(runs)) is not None and abs(growth - 2) <= _TOLERANCE:
+        found["loss_reduction"] = "sum"  # each micro-batch's loss is added, not averaged
+    elif growth is not None:
         found["loss_growth"] = growth
     combines: dict[str, str] = {}
     for step in evaluation:

@@ -69,7 +69,10 @@ def test_it_tells_nothing_without_a_way_to_repeat_a_sample() -> None:
 
 
 class _Summed(L.LightningModule):
-    """A regression whose loss is summed over the batch, as a VAE's reconstruction term is."""
+    """A regression whose loss is summed over the batch, as a VAE's reconstruction term is; ``samples`` in its
+    loader (44: a last batch of 12, padded to the plan's 16)."""
+
+    samples = 48
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,27 +93,52 @@ class _Summed(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 8, generator=g)), 16)
+        n = self.samples
+        return DataLoader(TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)), 16)
+
+
+class _Ragged(_Summed):
+    samples = 44
+
+
+class _SumPlusConstant(_Summed):
+    """A loss that neither averages nor sums its samples: micro-batches cannot give it."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y, reduction="sum") + 10.0
+        self.log("train_loss", loss)
+        return loss
 
 
 def check_summed_loss(accelerator: str) -> None:
-    """A summed loss under the strategy on one device of ``accelerator`` (the loss run there on random outputs)
-    trains as plain Lightning does, and 4 micro-batches are refused with the fix."""
-    expected, weights = fit_one_device(_Summed, "auto", accelerator)
-    losses, trained = fit_one_device(_Summed, AutoPartitionStrategy(num_stages=1, profile="estimate"), accelerator)
-    assert losses == pytest.approx(expected, rel=1e-5)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(trained, weights, strict=True))
-    fix = r"micro_batches=4, but training_step's loss on one sample repeated twice is 2 times .*reduction='mean'"
-    four = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
-    with pytest.raises(ConfigError, match=fix):
-        fit_one_device(_Summed, four, accelerator)
+    """A summed loss under the strategy on one device of ``accelerator`` (the step run there on random outputs),
+    4 micro-batches, a ragged last batch too: the same losses, logged values and weights as plain Lightning."""
+    for module in (_Summed, _Ragged):
+        expected, weights = fit_one_device(module, "auto", accelerator)
+        strategy = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
+        losses, trained = fit_one_device(module, strategy, accelerator)
+        assert strategy.plan is not None and strategy.plan.notes["loss_reduction"] == "sum"
+        assert strategy.plan.notes["log_combines"] == {"train_loss": "sum"}
+        assert losses == pytest.approx(expected, rel=1e-5)
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(trained, weights, strict=True))
 
 
 @pytest.mark.usefixtures("master_port")
 def test_a_summed_loss_trains_as_plain_lightning() -> None:
     """Before: 4 micro-batches logged 45.2 where plain Lightning logged 180.6 (a quarter), and trained with a
-    quarter of the gradient. Now the plan keeps one micro-batch, and micro_batches=4 is refused with the fix."""
+    quarter of the gradient. Now each micro-batch's loss is added, and its logged value summed."""
     check_summed_loss("cpu")
+
+
+@pytest.mark.usefixtures("master_port")
+def test_a_loss_neither_mean_nor_sum_keeps_one_micro_batch() -> None:
+    strategy = AutoPartitionStrategy(num_stages=1, profile="estimate")
+    fit_one_device(_SumPlusConstant, strategy)
+    assert strategy.plan is not None and strategy.plan.micro_batches == 1
+    fix = r"micro_batches=4, but training_step's loss on one sample repeated twice is .*reduction='sum'"
+    with pytest.raises(ConfigError, match=fix):
+        fit_one_device(_SumPlusConstant, AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate"))
 
 
 class _Counted(_Summed):
