@@ -70,7 +70,7 @@ class StepLoss:
         root = module.get_submodule(self.root_name) if self.root_name else module
         watch = ValueReads(self.reads) if not self.reads.seen else nullcontext()
         kept = nullcontext() if self._tracing else _metrics_kept(module)  # no metric updates while traced
-        with replaced_forward(root, output), patched_log(module, self._log), kept, watch:
+        with replaced_forward(root, output), patched_log(module, self._log), kept, _attributes_kept(module), watch:
             out = getattr(module, self.hook)(part, 0)
         self.reads.seen = True
         value = out.get("loss") if isinstance(out, dict) else out
@@ -160,3 +160,48 @@ def _metrics_kept(module: nn.Module) -> Iterator[None]:
         for m, table in zip(metrics, saved, strict=True):
             m.__dict__.clear()
             m.__dict__.update(table)
+
+
+@contextmanager
+def _attributes_kept(module: nn.Module) -> Iterator[None]:
+    """Restore, on exit, the public attributes of ``module`` and its submodules as the step found them: one it
+    set or added, and the contents of a list, dict or set it filled in place (the step outputs Lightning's docs
+    collect for ``on_train_epoch_end``), so that the planner's runs of the step on stand-ins leave nothing there
+    (a meta or fake tensor among the real ones would fail the epoch's end)."""
+    saved = []
+    for m in module.modules():
+        table = m.__dict__
+        public = {k: v for k, v in table.items() if not k.startswith("_")}
+        contents = {k: _contents(v) for k, v in public.items()}
+        saved.append((table, public, contents))
+    try:
+        yield
+    finally:
+        for table, public, contents in saved:
+            for k in [k for k in table if not k.startswith("_") and k not in public]:
+                del table[k]
+            for k, v in public.items():
+                table[k] = v
+                _refill(v, contents[k])
+
+
+def _contents(value: Any) -> Any:
+    """A shallow copy of a list, dict or set's contents; None for another value."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, set):
+        return set(value)
+    return None
+
+
+def _refill(value: Any, contents: Any) -> None:
+    """Put ``contents`` (:func:`_contents`) back into the container ``value``, in place."""
+    if contents is None:
+        return
+    if isinstance(value, list):
+        value[:] = contents
+    elif isinstance(value, (dict, set)):
+        value.clear()
+        value.update(contents)

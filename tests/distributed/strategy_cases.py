@@ -45,8 +45,10 @@ class Lit(L.LightningModule):
         lr: float = 0.1,
         fail_at: int = -1,
         extra_logs: bool = False,
+        reduction: str = "mean",
     ) -> None:
         super().__init__()
+        self.reduction = reduction  # "sum": the loss sums over samples ([Note: a loss that grows])
         self.fail_at = fail_at
         self.extra_logs = extra_logs
         self.name = name
@@ -68,7 +70,7 @@ class Lit(L.LightningModule):
             return F.cross_entropy(out.flatten(0, 1), y.flatten())
         if self.name == "cnn":
             return F.cross_entropy(out, y)
-        return F.mse_loss(out, y)
+        return F.mse_loss(out, y, reduction=self.reduction)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         if batch_idx == self.fail_at and self.global_rank == self.trainer.world_size - 1:
@@ -96,6 +98,8 @@ def make_lit(case: dict[str, Any]) -> Lit:
         via_submodule=case.get("via_submodule", False),
         fail_at=case.get("fail_at", -1),
         extra_logs=case.get("extra_logs", False),
+        reduction=case.get("reduction", "mean"),
+        lr=case.get("lr", 0.1),
     )
 
 

@@ -55,6 +55,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "kept_functions", "stages": 2},
             # a batch norm frozen in a forward: the stages must keep its eval() call
             {"model": "frozen_norm", "stages": 2},
+            # a loss summed over samples: the micro-batches' losses are added, not averaged
+            {"model": "mlp", "stages": 2, "schedule": "1F1B", "reduction": "sum", "lr": 0.002},
         ],
     ),
     ("torchrun", 2, [{"model": "mlp", "stages": 2, "schedule": "1F1B"}, {"model": "gpt", "stages": 1}]),
@@ -105,7 +107,7 @@ def _case_id(index: int) -> str:
     how, world, _ = LAUNCHES[launch_index]
     sub = "-submodule" if case.get("via_submodule") else ""
     options = "".join(
-        f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule") if k in case
+        f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule", "reduction") if k in case
     ) + (f"-{case['precision']}" if "precision" in case else "")
     return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}{options}"
 
