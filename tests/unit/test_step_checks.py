@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_autopart import AutoPartitionStrategy
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile.step_checks import log_combines, loss_growth
-from tests.one_device import fit_one_device
+from tests.one_device import fit_one_device, run_fit
 
 
 class _Step:
@@ -169,15 +169,7 @@ class _Counted(_Summed):
 
 def _logged(strategy: object) -> dict[str, float]:
     torch.manual_seed(0)
-    model = _Counted()
-    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, use_distributed_sampler=False,
-                        enable_model_summary=False, **quiet)  # fmt: skip
-    try:
-        trainer.fit(model)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    trainer = run_fit(_Counted(), strategy, max_steps=3)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
@@ -238,14 +230,7 @@ def test_the_planners_runs_of_the_steps_leave_nothing_in_the_module() -> None:
     for strategy in ("auto", AutoPartitionStrategy(num_stages=1, micro_batches=2, profile="estimate")):
         torch.manual_seed(0)
         model = _Collecting()
-        quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, num_sanity_val_steps=0,
-                            use_distributed_sampler=False, enable_model_summary=False, **quiet)  # fmt: skip
-        try:
-            trainer.fit(model)
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+        run_fit(model, strategy, max_epochs=1, num_sanity_val_steps=0)
         means[strategy if isinstance(strategy, str) else "autopart"] = model.epoch_means
     plain, pipelined = means["auto"], means["autopart"]
     assert pipelined["train_steps"] == 2 * plain["train_steps"] == 6  # one entry per micro-batch
