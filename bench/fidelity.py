@@ -211,7 +211,8 @@ def cases(tiny: bool = False) -> dict[str, FidelityCase]:
 
 def _profile(case: FidelityCase, batch: Any, mode: str, spec: Any, on_meta: bool) -> tuple[Any, Any]:
     """The case's profile and its loss (whose ``reads`` say what the step reads back)."""
-    from lightning_autopart.lightning.hooks import batch_size_of, find_forward, step_loss
+    from lightning_autopart.lightning.hooks import batch_size_of, find_forward
+    from lightning_autopart.lightning.step_loss import step_loss
     from lightning_autopart.planner import meta_inputs, profile_model
 
     torch.manual_seed(0)

@@ -9,9 +9,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -98,7 +96,7 @@ class StepLoss:
         """The module's own ``validation_step`` and ``test_step``, each as a loss over this batch: they run once
         per micro-batch too, so the profiler traces them where they mix samples (``loss_findings`` in
         profile/step_checks.py; a step that cannot run on this batch tells nothing)."""
-        hooks = [h for h in ("validation_step", "test_step") if is_overridden(h, self.module, L.LightningModule)]
+        hooks = [h for h in ("validation_step", "test_step") if _overrides(self.module, h)]
         return [StepLoss(self.module, self.root_name, self.batch, self.batch_size, hook) for hook in hooks]
 
     @contextmanager
@@ -124,6 +122,13 @@ class StepLoss:
             return  # converting it to a number reads nothing from a device
         options = {**dict(zip(LOG_ARGUMENTS, args, strict=False)), **kwargs}
         self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
+
+
+def _overrides(module: Any, hook: str) -> bool:
+    """Whether ``module``'s class (not Lightning's) defines ``hook``; Lightning is not imported here (the CLI
+    imports this module, and the core runs without Lightning)."""
+    owner = next((c for c in type(module).__mro__ if hook in c.__dict__), None)
+    return owner is not None and not owner.__module__.startswith(("lightning.", "pytorch_lightning."))
 
 
 def _no_update(*args: Any, **kwargs: Any) -> None:

@@ -22,8 +22,9 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 from lightning_autopart.errors import ConfigError
-from lightning_autopart.lightning.hooks import LogRecord, capture_logs, merge_logs, step_loss
+from lightning_autopart.lightning.hooks import LogRecord, capture_logs, merge_logs
 from lightning_autopart.lightning.log_channel import LogChannel
+from lightning_autopart.lightning.step_loss import step_loss
 from tests.distributed._metrics_script import fit_case
 from tests.distributed.launch import run_job
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_autopart.lightning.hooks import step_loss
+from lightning_autopart.lightning.step_loss import step_loss
 from lightning_autopart.profile.readback import LoopFacts, readback_every
 from tests.unit.test_readback import Logged, _fit
 

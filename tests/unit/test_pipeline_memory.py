@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_autopart.cluster import Cluster
-from lightning_autopart.lightning.hooks import step_loss
+from lightning_autopart.lightning.step_loss import step_loss
 from lightning_autopart.partition.tables import CostTables
 from lightning_autopart.planner import profile_model
 from lightning_autopart.profile.loss import batch_bytes, profile_loss
@@ -142,17 +142,18 @@ def test_a_batch_on_another_device_than_the_output_is_not_the_loss_s_memory() ->
 
 
 class _Watched(_Regressor):
-    """A regressor whose step notes whether its step loss holds the batch placed, and raises at call ``fail``."""
+    """A regressor whose step notes whether its step loss holds the batch placed, and raises at call ``fail``
+    (the notes in a private attribute: a planning run restores the module's public ones)."""
 
     def __init__(self, fail: int | None = None) -> None:
         super().__init__()
         self.fail = fail
-        self.placed: list[bool] = []
+        self._placed_seen: list[bool] = []
         self.loss: Any = None
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self.placed.append(self.loss._placed is not None)
-        if len(self.placed) == self.fail:
+        self._placed_seen.append(self.loss._placed is not None)
+        if len(self._placed_seen) == self.fail:
             raise RuntimeError("the user's loss failed")
         return super().training_step(batch, batch_idx)
 
@@ -177,7 +178,7 @@ def test_the_timed_runs_read_the_batch_placed_once(monkeypatch: pytest.MonkeyPat
     module = _Watched()
     loss, calls = _watched(module, monkeypatch)
     profile_loss(loss, torch.randn(8, 16), 8, warmup=1, repeats=2)
-    assert module.placed == [True] * 4  # the metered run and the three timed runs
+    assert module._placed_seen == [True] * 4  # the metered run and the three timed runs
     assert calls == [torch.device("cpu"), None]  # placed once before them, dropped once after
     assert loss.sliced == () and loss._placed is None
 
@@ -188,7 +189,7 @@ def test_a_loss_that_raises_leaves_no_batch_placed(fail: int, monkeypatch: pytes
     loss, calls = _watched(module, monkeypatch)
     with pytest.raises(RuntimeError, match="the user's loss failed"):
         profile_loss(loss, torch.randn(8, 16), 8, warmup=1, repeats=2)
-    assert len(module.placed) == fail and calls[-1] is None
+    assert len(module._placed_seen) == fail and calls[-1] is None
     assert loss.sliced == () and loss._placed is None  # nothing left on the device
 
 
