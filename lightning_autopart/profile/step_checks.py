@@ -191,7 +191,8 @@ def _nbytes(tree: Any) -> int:
 def _one_sample(x_tree: Any, y_tree: Any, a: int, b: int) -> tuple[list[Any], Any, list[int | None]] | None:
     """The leaves of the model's output for one sample (as shape and dtype), its structure, and each leaf's
     dimension that follows the batch (None: none), from the outputs at ``a`` and ``b`` samples; None where a
-    leaf has two such dimensions, or one not proportional to the batch."""
+    leaf has two such dimensions, or one not proportional to the batch, or where a floating leaf has none (a
+    loss the forward computes over the whole batch: what it is for some samples cannot be made up)."""
     leaves, spec = tree_flatten(x_tree)
     one: list[Any] = []
     dims: list[int | None] = []
@@ -206,6 +207,8 @@ def _one_sample(x_tree: Any, y_tree: Any, a: int, b: int) -> tuple[list[Any], An
         per = [(y.shape[d] - x.shape[d]) // (b - a) for d in follow]
         if len(follow) > 1 or any(x.shape[d] != n * a for d, n in zip(follow, per, strict=True)):
             return None  # mixed samples, or a size not proportional to the batch: nothing to repeat
+        if not follow and x.is_floating_point():
+            return None  # a value of the whole batch (a loss the forward computes): no sample's own
         one.append((tuple(per[0] if d in follow else n for d, n in enumerate(x.shape)), x.dtype))
         dims.append(follow[0] if follow else None)
     return one, spec, dims
@@ -223,8 +226,10 @@ def _run(
     dtypes for one sample, drawn once per sample) on ``device``, the same random draws in the step at each;
     None where the step fails there."""
     samples: dict[int, list[Any]] = {}
-    for index in sorted({i for r in wanted for i in r}):
-        samples[index] = [_random(leaf, device) for leaf in one]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(1)  # the same stand-ins at every plan, and no draw taken from the user's generator
+        for index in sorted({i for r in wanted for i in r}):
+            samples[index] = [_random(leaf, device) for leaf in one]
     runs = {}
     try:
         for indices in wanted:

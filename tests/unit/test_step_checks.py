@@ -236,3 +236,30 @@ def test_the_planners_runs_of_the_steps_leave_nothing_in_the_module() -> None:
     assert pipelined["train_steps"] == 2 * plain["train_steps"] == 6  # one entry per micro-batch
     assert pipelined["train"] == pytest.approx(plain["train"], rel=1e-5)
     assert pipelined["val"] == pytest.approx(plain["val"], rel=1e-5)
+
+
+class _LossInForward(_Summed):
+    """The forward computes the loss over its whole batch (as a Hugging Face model given labels does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = (torch.zeros(2, 8), torch.zeros(2, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.net(x), y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(*batch)
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.usefixtures("master_port")
+def test_a_loss_the_forward_computes_is_not_made_up_per_sample() -> None:
+    """Its value for some samples cannot be drawn at random per sample: the logged loss was taken for a maximum
+    (two samples' random losses and the first one's again) and merged so."""
+    expected, _ = fit_one_device(_LossInForward, "auto")
+    strategy = AutoPartitionStrategy(num_stages=1, micro_batches=4, profile="estimate")
+    losses, _ = fit_one_device(_LossInForward, strategy)
+    assert strategy.plan is not None and "log_combines" not in strategy.plan.notes
+    assert losses == pytest.approx(expected, rel=1e-5)
