@@ -77,12 +77,12 @@ def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str,
     on fake tensors (no memory) on the batch's device, inside ``loss.tracing()`` where the loss has one (the
     strategy's: torchmetrics updates skipped). Nothing where it cannot tell: fewer than two sizes, or a loss that
     needs values (``.item()``) or does not trace alike at both."""
-    sizes = sorted(n for n in outputs if n <= limit)
-    sizes = [n for n in sizes if n > 1][:2] if len([n for n in sizes if n > 1]) > 1 else sizes[:2]
+    usable = sorted(n for n in outputs if n <= limit)
+    above_one = [n for n in usable if n > 1]
+    sizes = above_one[:2] if len(above_one) > 1 else usable[:2]
     if len(sizes) < 2:
         return ()
-    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
-    device = batch[0].device if batch else torch.device("cpu")
+    device = _batch_device(loss)
     traces = []
     tracing = getattr(loss, "tracing", nullcontext)  # the strategy's step skips its metrics' updates there
     try:
@@ -172,16 +172,22 @@ def _sample_runs(loss: LossFn, outputs: dict[int, Any]) -> dict[tuple[int, ...],
     shapes = _one_sample(outputs[sizes[0]], outputs[sizes[1]], *sizes)
     if shapes is None:
         return None
-    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
     wanted: list[tuple[int, ...]] = [r for r in _ROWS if max(r) < getattr(loss, "batch_size", 1)]
     devices = [torch.device("cpu")]
-    if batch and batch[0].device.type != "cpu" and 2 * _nbytes(outputs[sizes[0]]) // sizes[0] <= _DEVICE_BYTES:
-        devices.append(batch[0].device)  # a step that makes its tensors on self.device runs there
+    home = _batch_device(loss)
+    if home.type != "cpu" and 2 * _nbytes(outputs[sizes[0]]) // sizes[0] <= _DEVICE_BYTES:
+        devices.append(home)  # a step that makes its tensors on self.device runs there
     for device in devices:
         runs = _run(rows, wanted, *shapes, device)
         if runs is not None:
             return runs
     return None
+
+
+def _batch_device(loss: LossFn) -> torch.device:
+    """The device of the batch ``loss`` carries (the strategy's step loss holds one), else the CPU."""
+    batch = [t for t in tree_leaves(getattr(loss, "batch", None)) if isinstance(t, torch.Tensor)]
+    return batch[0].device if batch else torch.device("cpu")
 
 
 def _nbytes(tree: Any) -> int:
