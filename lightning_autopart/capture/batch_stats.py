@@ -15,7 +15,7 @@ CLIP 55 % away from plain Lightning's losses, silently). A ``training_step`` may
 output (a contrastive loss's ``z @ y.T``: losses 31-51 % lower with 4 micro-batches), and a forward or a step
 may compute a statistic of the batch back into its samples (``x - x.mean(0)``, a Barlow Twins loss). Two runs at
 different batch sizes tell all of these ([Note: sample flow] in sample_flow.py): :func:`mixed_samples` compares
-two captures of the forward node by node, ``loss_mixing`` (profile/step_checks.py) two traces of the step's loss. Such
+two captures of the forward node by node, ``step_flow`` (profile/step_checks.py) two traces of the step's loss. Such
 a model is planned with one micro-batch per replica (each replica computes on its whole share, as Lightning's
 DDP does), and a plan asked for more is refused with the fix. Batch norms are found by their operations above
 (they combine the batch inside one), and keep their micro-batches with a warning, as GPipe trains them.

@@ -23,7 +23,17 @@ A value converted to another dtype keeps its kind: those mixtures count their to
 expert indices converted to float.
 Operations that read only the shape of their inputs (``zeros_like``) carry no value from them. Batch norms are
 found by their operations instead (``batch_statistics`` in batch_stats.py): they combine the batch inside one
-operation. A statistic that is only transformed (``sqrt(x.var(0))``, a VICReg variance term) is not found.
+operation.
+
+[Note: statistics transformed] A statistic that is a sum of its samples' terms (a sum or a mean over the batch,
+a loss function's mean, a product that contracts the batch: ``z1.T @ z2``), scaled by constants or counts and
+added to others, is what micro-batches give back: their mean (or sum) is the batch's. Any other operation on a
+statistic transforms it (``sqrt(mse)``: a root-mean-square loss; a Dice loss's ratio of two sums; ``(c - I)
+** 2`` of a cross-correlation; a variance or maximum over the batch), and the mean of the micro-batches'
+transformed values is not the batch's: a pipeline trained a root-mean-square loss 0.3-0.7 % below plain
+Lightning's, with other gradients, silently. Such a value is "transformed" (its first such operation kept as its
+origin), and the values a caller names in a trace (a step's loss and what it logs) are told so
+(:class:`TracedFlow`).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["RecordOps", "SampleFlow", "Trace", "trace_flow", "walk_graph"]
+__all__ = ["RecordOps", "SampleFlow", "Trace", "TracedFlow", "trace_flow", "walk_graph"]
 
 #: Operations whose result depends on the shapes of their tensor inputs only, by overload packet name.
 _SHAPE_ONLY = frozenset(
@@ -60,7 +70,63 @@ _CONVERSIONS = frozenset(
 #: The kinds of value: per-sample (floating, or integer or boolean), and aggregates: a statistic (reduced from
 #: floating per-sample values: a mean over the batch) or a count (from integer or boolean ones alone: how many
 #: tokens each expert gets, whether any value is infinite).
+#: And a statistic transformed otherwise than by the operations below ([Note: statistics transformed]).
 _VALUES, _INDICES, _STATISTIC, _COUNT = "per-sample", "per-sample index", "statistic", "count"
+_TRANSFORMED = "transformed statistic"
+
+#: Operations that reduce per-sample values to a sum of their samples' terms, by overload packet name: sums and
+#: means, products that contract the batch, and loss functions' means and sums.
+_SUMS = frozenset(
+    {
+        "sum", "mean", "nansum", "nanmean", "mm", "bmm", "matmul", "dot", "vdot", "mv", "addmm", "addbmm",
+        "baddbmm", "einsum", "tensordot", "trace", "index_add", "scatter_add", "mse_loss", "l1_loss",
+        "smooth_l1_loss", "huber_loss", "nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d",
+        "nll_loss_nd", "cross_entropy_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+        "soft_margin_loss", "multi_margin_loss", "multilabel_margin_loss_forward", "hinge_embedding_loss",
+        "margin_ranking_loss", "poisson_nll_loss",
+    }
+)  # fmt: skip
+
+#: Operations that keep a statistic a sum of its samples' terms: sums of statistics, views and copies of them.
+_LINEAR = _CONVERSIONS | frozenset(
+    {
+        "add", "sub", "rsub", "neg", "sum", "mean", "nansum", "view", "_unsafe_view", "reshape", "_reshape_alias",
+        "squeeze", "unsqueeze", "expand", "clone", "alias", "detach", "lift_fresh", "lift_fresh_copy", "select",
+        "slice", "t", "transpose", "permute", "movedim", "diagonal", "diag", "cat", "stack", "index_select", "index",
+        "unbind", "split", "split_with_sizes", "chunk", "narrow", "flatten", "contiguous", "copy", "as_strided",
+        "nan_to_num", "trace",
+    }
+)  # fmt: skip
+
+#: Products: a statistic times constants or counts stays one (divided: only as the dividend).
+_PRODUCTS = frozenset({"mul", "div", "true_divide", "mm", "matmul", "mv", "dot"})
+_DIVISIONS = frozenset({"div", "true_divide"})
+
+
+def _base(op: str) -> str:
+    """An operation's name without its in-place or copying suffix ("mul_", "view_copy": "mul", "view")."""
+    if op.endswith("_copy") and op not in _CONVERSIONS:
+        op = op[: -len("_copy")]
+    return op[:-1] if op.endswith("_") and not op.endswith("__") else op
+
+
+def _aggregate(op: str, read: list[str | None]) -> str | None:
+    """The kind of a value with no dimension that follows the batch, made by ``op`` from values of the kinds
+    ``read`` (in argument order): a statistic, a transformed one ([Note: statistics transformed]), a count, or
+    None (a constant)."""
+    kinds, op = set(read), _base(op)
+    if _TRANSFORMED in kinds:
+        return _TRANSFORMED
+    if _VALUES in kinds:  # a reduction over the batch
+        return _STATISTIC if op in _SUMS and _STATISTIC not in kinds else _TRANSFORMED
+    if _STATISTIC in kinds:
+        if op in _LINEAR:
+            return _STATISTIC
+        statistics = [i for i, k in enumerate(read) if k == _STATISTIC]
+        if op in _PRODUCTS and len(statistics) == 1 and (op not in _DIVISIONS or statistics == [0]):
+            return _STATISTIC
+        return _TRANSFORMED
+    return _COUNT if kinds & {_INDICES, _COUNT} else None
 
 
 def _following(a: Any, b: Any) -> int | None:
@@ -79,33 +145,44 @@ class SampleFlow:
 
     kinds: dict[Hashable, str] = field(default_factory=dict)
     found: dict[str, str] = field(default_factory=dict)
+    #: Where each transformed statistic was first transformed ([Note: statistics transformed]), by key.
+    origins: dict[Hashable, str] = field(default_factory=dict)
 
     def step(
-        self, where: str, inputs: Iterable[Hashable], outputs: Iterable[tuple[Hashable, Any, Any]], same: bool = False
+        self,
+        where: str,
+        inputs: Iterable[Hashable],
+        outputs: Iterable[tuple[Hashable, Any, Any]],
+        same: bool = False,
+        op: str = "",
     ) -> None:
-        """One operation at ``where``: the keys of the values it reads, and each value it makes as ``(key,
-        value at batch a, value at batch b)``; ``same``: it passes its input on (in another dtype, or under
-        another name), which keeps its kind (expert indices converted to float for a histogram stay indices)."""
-        read = {self.kinds.get(key) for key in inputs}
+        """One operation ``op`` at ``where``: the keys of the values it reads (in argument order), and each
+        value it makes as ``(key, value at batch a, value at batch b)``; ``same``: it passes its input on (in
+        another dtype, or under another name), which keeps its kind (expert indices converted to float for a
+        histogram stay indices)."""
+        keys = list(inputs)
+        listed = [self.kinds.get(key) for key in keys]
+        read = set(listed)
         for key, a, b in outputs:
             follows = _following(a, b)
             if follows is None:
                 continue
+            self.origins.pop(key, None)
             if follows > 1:
                 self.found.setdefault(f"{where} {tuple(a.shape)}", "pairs")
             if follows:
-                if _STATISTIC in read:
+                if read & {_STATISTIC, _TRANSFORMED}:
                     self.found.setdefault(f"{where} {tuple(a.shape)}", "statistics")
                 if same and read & {_VALUES, _INDICES}:
                     self.kinds[key] = _VALUES if _VALUES in read else _INDICES
                 else:
                     self.kinds[key] = _VALUES if a.is_floating_point() or a.is_complex() else _INDICES
-            elif read & {_VALUES, _STATISTIC}:
-                self.kinds[key] = _STATISTIC
-            elif read & {_INDICES, _COUNT}:
-                self.kinds[key] = _COUNT
-            else:
+            elif (kind := _aggregate("to" if same else op, listed)) is None:
                 self.kinds.pop(key, None)  # a constant (an in-place write may have made it one)
+            else:
+                self.kinds[key] = kind
+                if kind == _TRANSFORMED:
+                    self.origins[key] = next((self.origins[k] for k in keys if k in self.origins), where)
 
     def mixed(self) -> tuple[str, ...]:
         """The places that mixed samples, as "place (shape at batch a)", in order."""
@@ -147,23 +224,35 @@ def walk_graph(flow: SampleFlow, ga: fx.Graph, gb: fx.Graph, where: Callable[[fx
             read = [] if _name(p.target) in _SHAPE_ONLY else list(_node_keys((p.args, p.kwargs)))
             if isinstance(va, (tuple, list)) and isinstance(vb, (tuple, list)) and len(va) == len(vb):
                 outputs = [((p, i), x, y) for i, (x, y) in enumerate(zip(va, vb, strict=True))]
-                flow.step(where(p), read, outputs)
+                flow.step(where(p), read, outputs, op=_name(p.target))
                 kinds = {flow.kinds.get(key) for key, _, _ in outputs}
-                strongest = next((k for k in (_VALUES, _STATISTIC, _INDICES, _COUNT) if k in kinds), None)
+                strongest = next((k for k in (_VALUES, _TRANSFORMED, _STATISTIC, _INDICES, _COUNT) if k in kinds), None)
                 if strongest is not None:  # a consumer of the whole tuple reads what its parts are
                     flow.kinds[p] = strongest
             else:
-                flow.step(where(p), read, [(p, va, vb)], same=_name(p.target) in _CONVERSIONS)
+                flow.step(where(p), read, [(p, va, vb)], same=_name(p.target) in _CONVERSIONS, op=_name(p.target))
     return True
 
 
 @dataclass
 class Trace:
     """The tensor operations of one run, in order: each as its name, the ids of the tensors it read, and the
-    tensors it made; every tensor read, by id (all kept alive, so that no id is reused within the run)."""
+    tensors it made; every tensor read, by id (all kept alive, so that no id is reused within the run); and the
+    values the caller names (a step's loss and what it logs), told by :func:`trace_flow` where transformed."""
 
     ops: list[tuple[str, list[int], list[torch.Tensor]]] = field(default_factory=list)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    named: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TracedFlow:
+    """What two traces of one computation tell: where it mixes samples, each place as "where: operation (shape
+    at a)" (:class:`SampleFlow`), and which of the named values are transformed statistics of the batch, with
+    the place of their first transformation ([Note: statistics transformed])."""
+
+    mixed: tuple[str, ...] = ()
+    transformed: dict[str, str] = field(default_factory=dict)
 
 
 class RecordOps(TorchDispatchMode):
@@ -184,9 +273,10 @@ class RecordOps(TorchDispatchMode):
         return out
 
 
-def trace_flow(a: Trace, b: Trace, where: str) -> tuple[str, ...] | None:
+def trace_flow(a: Trace, b: Trace, where: str) -> TracedFlow | None:
     """Where two traces of one computation at batch sizes ``a < b`` mix samples (see :class:`SampleFlow`),
-    each place as "``where``: operation (shape at a)"; None where the traces do not match op for op.
+    each place as "``where``: operation (shape at a)", and which values named in ``a`` are transformed
+    statistics; None where the traces do not match op for op.
 
     The computation's inputs (tensors no operation made) are matched by the order in which it first reads them:
     per-sample where their sizes differ."""
@@ -204,6 +294,8 @@ def trace_flow(a: Trace, b: Trace, where: str) -> tuple[str, ...] | None:
                 flow.step(f"{where}: input", (), [(keys[ia], a.tensors.get(ia), b.tensors.get(ib))])
         read = [keys[ia] for ia in read_a]
         outputs = [(f"op{i}.{j}", ta, tb) for j, (ta, tb) in enumerate(zip(out_a, out_b, strict=True))]
-        flow.step(f"{where}: {name}", read, outputs, same=name in _CONVERSIONS)
+        flow.step(f"{where}: {name}", read, outputs, same=name in _CONVERSIONS, op=name)
         keys.update((id(ta), key) for (key, ta, _) in outputs)
-    return flow.mixed()
+    named = {name: keys.get(id(t)) for name, t in a.named.items()}
+    transformed = {name: flow.origins[key] for name, key in named.items() if key in flow.origins}
+    return TracedFlow(flow.mixed(), transformed)

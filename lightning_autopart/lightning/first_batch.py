@@ -212,7 +212,7 @@ def plan_for_batch(
         from lightning_autopart.plan.report import print_plan
 
         print_plan(plan)
-        for key in ("batch_statistics", "batch_mixing", "loss_growth"):  # what micro-batches change, or would
+        for key in ("batch_statistics", "batch_mixing", "loss_growth", "loss_transformed", "log_transformed"):
             if isinstance(note := plan.notes.get(key), str):
                 warnings.warn(f"autopart: {note}", stacklevel=2)
         if loaded is not None:

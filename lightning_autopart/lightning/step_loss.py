@@ -102,7 +102,7 @@ class StepLoss:
     @contextmanager
     def tracing(self) -> Iterator[None]:
         """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors
-        (``loss_mixing`` in profile/step_checks.py), which hold no values for a metric to count, and a metric
+        (``step_flow`` in profile/step_checks.py), which hold no values for a metric to count, and a metric
         changes nothing the loss computes."""
         with ExitStack() as stack:
             for m in self.module.modules():

@@ -149,7 +149,7 @@ def partition(
         ConfigError: an invalid setting (the message names the value and what to use instead).
         PlanError: nothing fits in memory; carries the closest plan and a per-stage memory table.
     """
-    if reasons := single_reasons(profile.meta):  # samples mixed, or a loss that sums them
+    if reasons := single_reasons(profile.meta):  # samples mixed, a loss that transforms a statistic or grows
         micro_batches = one_micro_batch(reasons, micro_batches)
     reps, scheds = _validate(
         profile, cluster, batch_size, num_stages, replicas, micro_batches, schedules, max_micro_batches

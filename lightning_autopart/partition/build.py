@@ -22,6 +22,7 @@ __all__ = [
     "mixing_note",
     "one_micro_batch",
     "single_reasons",
+    "transformed_note",
 ]
 
 #: Rows of the memory table shown before eliding the rest.
@@ -109,6 +110,14 @@ def build_plan(
         notes["batch_mixing"] = f"{mixing_note(mixed)}: one micro-batch per replica, as more would change it"
     if (growth := profile.meta.get("loss_growth")) is not None:  # [Note: a loss that grows] in step_checks.py
         notes["loss_growth"] = f"{growth_note(growth)}: one micro-batch per replica, as more would scale it"
+    if origin := profile.meta.get("loss_transformed"):  # [Note: statistics transformed] in sample_flow.py
+        notes["loss_transformed"] = f"{transformed_note(origin)}: one micro-batch per replica, as more would change it"
+    if mb > 1 and (logs := profile.meta.get("log_transformed")):
+        shown = ", ".join(f"{name!r} ({where})" for name, where in logs.items())
+        notes["log_transformed"] = (
+            f"logged {shown} transform a statistic of the batch: each step logs the mean of its {mb} micro-batches' "
+            "values, not the value over the batch (a torchmetrics metric, or micro_batches=1, logs the batch's)"
+        )
     if combines := profile.meta.get("log_combines"):  # [Note: logged values over micro-batches]
         notes["log_combines"] = dict(combines)
     if profile.meta.get("loss_reduction") == "sum":  # each micro-batch's loss added ([Note: a loss that grows])
@@ -240,7 +249,7 @@ def _fix_advice(tables: CostTables, optimizer: str) -> str:
 
 def mixing_note(mixed: list[str]) -> str:
     """What a model whose forward or steps mix samples does, in a phrase (``mixed``: places as
-    ``mixed_samples`` in capture/batch_stats.py and ``loss_mixing`` in profile/step_checks.py name them)."""
+    ``mixed_samples`` in capture/batch_stats.py and ``step_flow`` in profile/step_checks.py name them)."""
     steps = ("training_step", "validation_step", "test_step")
     where = {next((s for s in steps if m.startswith(f"{s}: ")), "the forward") for m in mixed}
     who = " and ".join(w for w in ("the forward", *steps) if w in where)
@@ -259,6 +268,16 @@ def growth_note(growth: float) -> str:
     )
 
 
+def transformed_note(origin: str) -> str:
+    """What a training step whose loss transforms a statistic of the batch does, in a phrase (``origin``: where,
+    as ``loss_transformed`` in profile/step_checks.py names it)."""
+    operation = origin.split(": ", 1)[-1]  # "training_step: sqrt"
+    return (
+        f"training_step's loss transforms a statistic of the whole batch by {operation!r} (not a sum or mean of its "
+        "samples' terms)"
+    )
+
+
 def single_reasons(meta: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Why a profile's model needs one micro-batch per replica, as (what it does, what micro-batches would do,
     the fix besides micro_batches=1): samples mixed ([Note: values that mix samples] in capture/batch_stats.py),
@@ -270,6 +289,14 @@ def single_reasons(meta: dict[str, Any]) -> list[tuple[str, str, str]]:
             "each micro-batch would see only its own samples (a sample scored against its micro-batch's alone, "
             "a statistic of the batch taken over a micro-batch)",
             "compute that value outside the pipelined step",
+        ))  # fmt: skip
+    if origin := meta.get("loss_transformed"):
+        reasons.append((
+            transformed_note(origin),
+            "the pipeline averages its micro-batches' losses, and the mean of that transformation over micro-batches "
+            "is not its value over the batch (a root-mean-square, a ratio of two sums, a variance)",
+            "apply it per sample and average (a mean over the batch's samples), or minimize the statistic itself "
+            "(the mean squared error, not its square root)",
         ))  # fmt: skip
     if (growth := meta.get("loss_growth")) is not None:
         reasons.append((

@@ -190,14 +190,14 @@ def _summary(plan: Plan) -> Table:
     )
     grid.add_row("Profile", f"{plan.profile_mode} on {plan.device}; schema version {plan.schema_version}")
     titles = (("checkpointing", "Checkpointing"), ("batch_statistics", "Batch norm"), ("batch_mixing", "Batch"),
-              ("loss_growth", "Loss"))  # fmt: skip
+              ("loss_growth", "Loss"), ("loss_transformed", "Loss"), ("log_transformed", "Logged"))  # fmt: skip
     for key, title in titles:
         if isinstance(plan.notes.get(key), str):
             grid.add_row(title, plan.notes[key])
     notes = [
         f"{k}={v}"
         for k, v in sorted(plan.notes.items())
-        if k not in ("checkpointing", "batch_statistics", "batch_mixing", "loss_growth")
+        if k not in {key for key, _ in titles}
         and (isinstance(v, int | float | bool) or (isinstance(v, str) and len(v) <= 40))
     ]
     if notes:

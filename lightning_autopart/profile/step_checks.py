@@ -3,7 +3,8 @@
 The pipeline runs ``training_step`` (and the evaluation steps) once per micro-batch, divides each micro-batch's
 loss by their count and merges what each logged. That is plain Lightning's step where the step treats its
 samples apart and averages them. This module checks the user's step against that, on stand-ins for the model's
-output: where it mixes samples ([Note: sample flow] in capture/sample_flow.py), where its loss is not a mean
+output: where it mixes samples ([Note: sample flow] in capture/sample_flow.py), where its loss or a value it logs
+transforms a statistic of the batch ([Note: statistics transformed] there), where its loss is not a mean
 (below), and how each value it logs combines over samples ([Note: logged values over micro-batches]).
 
 [Note: a loss that grows] The pipeline computes the loss of each micro-batch and divides it by the micro-batch
@@ -37,27 +38,32 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from lightning_autopart.capture.sample_flow import RecordOps, Trace, trace_flow
+from lightning_autopart.capture.sample_flow import RecordOps, Trace, TracedFlow, trace_flow
 from lightning_autopart.profile.loss import LossFn, _drop_slice
 
-__all__ = ["log_combines", "loss_findings", "loss_growth", "loss_mixing"]
+__all__ = ["log_combines", "loss_findings", "loss_growth", "step_flow"]
+
+#: The name :func:`step_flow` gives the value a step returns, among those it logs ("logged: name").
+RETURNED, LOGGED = "returned", "logged: "
 
 
 def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str, Any]:
     """What the training step does that micro-batches would change, as profile notes: "batch_mixing" (where it,
-    or an evaluation step the loss offers as ``evaluation_steps()``, mixes samples: :func:`loss_mixing`),
-    "loss_reduction" ("sum": a loss that sums its samples), "loss_growth" (a loss that neither averages nor sums
-    them: :func:`loss_growth`) and "log_combines" (:func:`log_combines`); empty for a step that averages its
-    samples apart and logs means."""
+    or an evaluation step the loss offers as ``evaluation_steps()``, mixes samples: :func:`step_flow`),
+    "loss_transformed" (where its loss transforms a statistic of the batch: [Note: statistics transformed] in
+    capture/sample_flow.py), "loss_reduction" ("sum": a loss that sums its samples), "loss_growth" (a loss that
+    neither averages nor sums them: :func:`loss_growth`), "log_combines" (:func:`log_combines`) and
+    "log_transformed" (logged values that transform a statistic, by name: where); empty for a step that averages
+    its samples apart and logs means."""
     found: dict[str, Any] = {}
     evaluation: list[LossFn] = getattr(loss, "evaluation_steps", list)()  # they run per micro-batch as well
-    mixed = list(loss_mixing(loss, outputs, limit))
-    for step in evaluation:
-        mixed += loss_mixing(step, outputs, limit)
-    if mixed:
+    flows = [step_flow(step, outputs, limit) for step in (loss, *evaluation)]
+    if mixed := [place for flow in flows for place in flow.mixed]:
         return {"batch_mixing": mixed}
     runs = _sample_runs(loss, outputs)
-    if (growth := _growth(runs)) is not None and abs(growth - 2) <= _TOLERANCE:
+    if RETURNED in flows[0].transformed:  # not a mean of its micro-batches' losses, whatever it grows by
+        found["loss_transformed"] = flows[0].transformed[RETURNED]
+    elif (growth := _growth(runs)) is not None and abs(growth - 2) <= _TOLERANCE:
         found["loss_reduction"] = "sum"  # each micro-batch's loss is added, not averaged
     elif growth is not None:
         found["loss_growth"] = growth
@@ -67,21 +73,25 @@ def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str
     combines.update(_combines(runs))  # the training step's, where a name is logged by several steps
     if combines:
         found["log_combines"] = dict(sorted(combines.items()))
+    logs = {k[len(LOGGED) :]: v for flow in flows for k, v in flow.transformed.items() if k.startswith(LOGGED)}
+    if logs := {k: v for k, v in logs.items() if k not in combines}:  # a maximum or a sum is merged as one
+        found["log_transformed"] = dict(sorted(logs.items()))
     return found
 
 
-def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str, ...]:
+def step_flow(loss: LossFn, outputs: dict[int, Any], limit: int) -> TracedFlow:
     """Where the training loss mixes samples (a contrastive loss's ``(batch, batch)`` scores, a normalization
-    over the batch; see [Note: sample flow] in capture/sample_flow.py), as "training_step: operation (shape)":
-    ``loss`` traced at the two smallest sizes of ``outputs`` (the model's output by batch size) up to ``limit``,
-    on fake tensors (no memory) on the batch's device, inside ``loss.tracing()`` where the loss has one (the
-    strategy's: torchmetrics updates skipped). Nothing where it cannot tell: fewer than two sizes, or a loss that
-    needs values (``.item()``) or does not trace alike at both."""
+    over the batch; see [Note: sample flow] in capture/sample_flow.py), as "training_step: operation (shape)",
+    and whether the value it returns (:data:`RETURNED`) or logs (:data:`LOGGED`) transforms a statistic of the
+    batch: ``loss`` traced at the two smallest sizes of ``outputs`` (the model's output by batch size) up to
+    ``limit``, on fake tensors (no memory) on the batch's device, inside ``loss.tracing()`` where the loss has
+    one (the strategy's: torchmetrics updates skipped). Nothing where it cannot tell: fewer than two sizes, or a
+    loss that needs values (``.item()``) or does not trace alike at both."""
     usable = sorted(n for n in outputs if n <= limit)
     above_one = [n for n in usable if n > 1]
     sizes = above_one[:2] if len(above_one) > 1 else usable[:2]
     if len(sizes) < 2:
-        return ()
+        return TracedFlow()
     device = _batch_device(loss)
     traces = []
     tracing = getattr(loss, "tracing", nullcontext)  # the strategy's step skips its metrics' updates there
@@ -91,13 +101,17 @@ def loss_mixing(loss: LossFn, outputs: dict[int, Any], limit: int) -> tuple[str,
             with tracing(), FakeTensorMode(allow_non_fake_inputs=True):
                 fake = tree_map(lambda t: _fake_like(t, device), outputs[n])
                 with RecordOps(trace):
-                    loss(fake, n)
+                    value = loss(fake, n)
+            logged = getattr(loss, "logged", {})
+            trace.named = {LOGGED + k: v for k, v in logged.items() if isinstance(v, torch.Tensor)}
+            if isinstance(value, torch.Tensor):
+                trace.named[RETURNED] = value
             traces.append(trace)
     except Exception:  # user code that needs values: nothing can be told
-        return ()
+        return TracedFlow()
     finally:
         _drop_slice(loss)
-    return trace_flow(traces[0], traces[1], getattr(loss, "hook", "training_step")) or ()
+    return trace_flow(traces[0], traces[1], getattr(loss, "hook", "training_step")) or TracedFlow()
 
 
 def _fake_like(t: Any, device: torch.device) -> Any:

@@ -22,7 +22,7 @@ from lightning_autopart.capture.batch_stats import mixed_samples
 from lightning_autopart.capture.sample_flow import RecordOps, SampleFlow, Trace, trace_flow
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.profile.curves import resize_batch
-from lightning_autopart.profile.step_checks import loss_mixing
+from lightning_autopart.profile.step_checks import step_flow
 from tests.one_device import fit_one_device
 
 
@@ -133,9 +133,9 @@ def test_a_loss_is_traced_at_two_sizes(loss: object, kind: str | None) -> None:
     found = trace_flow(a, b, "step")
     assert found is not None
     if kind is None:
-        assert found == ()
+        assert found.mixed == ()
     else:
-        assert found and any(f.startswith(f"step: {kind}") for f in found), found
+        assert found.mixed and any(f.startswith(f"step: {kind}") for f in found.mixed), found
 
 
 def test_traces_of_another_structure_tell_nothing() -> None:
@@ -224,7 +224,7 @@ def test_a_loss_that_needs_values_tells_nothing() -> None:
         return output.sum() * float(output.sum().item() > 0)
 
     outputs = {n: torch.empty(n, 4, device="meta") for n in (1, 2, 4)}
-    assert loss_mixing(loss, outputs, 4) == ()
+    assert step_flow(loss, outputs, 4).mixed == ()
 
 
 class _RetrievalValidated(_Contrastive):
