@@ -16,16 +16,20 @@ torchmetrics Metric travels as its step value and its FQN (in the layout), and t
 travel in the layout alone; each member then logs its own copy of the metric (see [Note: metrics]). The host
 part also carries the sender's ``trainer.should_stop``: a step that sets it (on the last stage, after the model
 call) stops every stage of the pipeline after that step, as it stops the one process of plain Lightning.
+A record whose value is neither a tensor nor a number (an entry ``training_step`` returns beside its loss: a
+string, a list) travels pickled in the layout: free while it stays the same, a new layout where it changes.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.metrics import StateSpec, resolve_metrics
@@ -43,12 +47,13 @@ class _Slot:
     """Where one record's value sits in the packed messages, and how to rebuild it."""
 
     name: str
-    kind: str  # "tensor" (device part), "int" or "float" (host part), "none" or "note" (in the layout alone)
+    kind: str  # "tensor" (device part), "int" or "float" (host part), "none", "note" or "object" (in the layout)
     dtype: torch.dtype | None
     shape: tuple[int, ...]
     kwargs: tuple[tuple[str, Any], ...]
     metric: str | None = None
     states: tuple[StateSpec, ...] | None = None
+    blob: bytes | None = None  # an "object" record's value, pickled (tensors on the CPU)
 
     @property
     def numel(self) -> int:
@@ -61,15 +66,18 @@ def _slots(records: list[LogRecord]) -> list[_Slot]:
         kwargs = tuple(sorted(r.kwargs.items()))
         dtype: torch.dtype | None = None
         shape: tuple[int, ...] = ()
+        blob = None
         if r.states is not None:
             kind = "note"
         elif isinstance(r.value, torch.Tensor):
             kind, dtype, shape = "tensor", r.value.dtype, tuple(r.value.shape)
         elif r.value is None:
             kind = "none"  # a metric without a step value
-        else:
+        elif isinstance(r.value, (int, float)):
             kind = "int" if isinstance(r.value, int) else "float"
-        out.append(_Slot(r.name, kind, dtype, shape, kwargs, r.metric, r.states))
+        else:
+            kind, blob = "object", pickle.dumps(_portable(r.value))
+        out.append(_Slot(r.name, kind, dtype, shape, kwargs, r.metric, r.states, blob))
     return out
 
 
@@ -188,8 +196,7 @@ class LogChannel:
         received: list[LogRecord] = box[0]
         self._learn(kind, _slots(received))
         for r in received:
-            if isinstance(r.value, torch.Tensor):
-                r.value = r.value.to(self.device)
+            r.value = _placed(r.value, self.device)
         return values[0], received, stop
 
     def _send(
@@ -216,10 +223,7 @@ class LogChannel:
         if same:
             self._inflight = (works, (whole, values))  # the buffers stay alive until sent
         else:
-            portable = [  # on the CPU: the receivers may have other device indices
-                replace(r, value=r.value.detach().cpu()) if isinstance(r.value, torch.Tensor) else r
-                for r in records
-            ]
+            portable = [replace(r, value=_portable(r.value)) for r in records]
             dist.broadcast_object_list([portable], self.src, group=self.group)
             self._learn(kind, slots)
             for work in works:
@@ -251,6 +255,16 @@ class LogChannel:
         self._inflight = ([], ())
 
 
+def _portable(value: Any) -> Any:
+    """``value`` with its tensors on the CPU, to be pickled: the receivers may have other device indices."""
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _placed(value: Any, device: torch.device) -> Any:
+    """A received ``value`` with its tensors on this rank's ``device``."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
 def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[LogRecord]:
     out = []
     host = device = 0
@@ -264,6 +278,8 @@ def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[Log
             number = float(numbers[host])
             value = int(number) if slot.kind == "int" else number
             host += 1
+        elif slot.kind == "object" and slot.blob is not None:
+            value = _placed(pickle.loads(slot.blob), values.device)  # sent by this job's last stage
         out.append(LogRecord(slot.name, value, dict(slot.kwargs), slot.metric, slot.states))
     return out
 

@@ -47,6 +47,8 @@ class StepLoss:
         self._tracing = False
         #: The last value of each number the step logged (a one-element tensor, detached, or a number).
         self.logged: dict[str, Any] = {}
+        #: What the last call's ``training_step`` returned besides the loss, by key (a dict's other entries).
+        self.returned: dict[str, Any] = {}
 
     def place(self, device: torch.device | None) -> None:
         """Hold the batch on ``device`` (None: forget it), so that a call there reads a view of it, as the last
@@ -72,6 +74,7 @@ class StepLoss:
             out = getattr(module, self.hook)(part, 0)
         self.reads.seen = True
         value = out.get("loss") if isinstance(out, dict) else out
+        self.returned = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, dict) else {}
         if self.hook != "training_step":
             return value if isinstance(value, torch.Tensor) else torch.zeros(())
         if not isinstance(value, torch.Tensor):

@@ -8,6 +8,13 @@ of the pipeline (see [Note: log channel]) and are logged there again. Nothing he
 to the host: losses and logged tensors stay tensors until Lightning itself reads them. A smaller batch (the
 last of an epoch) is padded to the planned shape, its micro-batches weighted by their real samples (see
 [Note: ragged batches] in :mod:`lightning_autopart.lightning.ragged`).
+
+[Note: a step's other outputs] A ``training_step`` may return a dict with more than its loss (predictions, a
+count), which Lightning hands to ``on_train_batch_end`` hooks. They were dropped (the hooks saw only the loss,
+silently). Each micro-batch's are now merged as an evaluation step's are: tensors with a batch dimension
+concatenated, numbers averaged, or summed, or their largest or smallest kept where the planner's runs of the
+step found them so (``output_combines``, as for logged values). They reach every rank of the pipeline with
+the logged values, through the log channel ([Note: log channel]): records marked :data:`OUTPUT`, not logged.
 """
 
 from __future__ import annotations
@@ -47,7 +54,11 @@ from lightning_autopart.lightning.ragged import (
 )
 from lightning_autopart.runtime.runner import PipelineRunner
 
-__all__ = ["PipelinedSteps"]
+__all__ = ["OUTPUT", "PipelinedSteps"]
+
+#: The option that marks a record as an entry ``training_step`` returned beside its loss: it travels with the
+#: logged values, and is not logged ([Note: a step's other outputs]).
+OUTPUT = "autopart_output"
 
 
 class PipelinedSteps:
@@ -91,14 +102,18 @@ class PipelinedSteps:
         #: How logged values that are not means combine over micro-batches, by name ([Note: logged values over
         #: micro-batches] in profile/step_checks.py).
         self.combine: dict[str, str] = dict(plan.notes.get("log_combines") or {})
+        #: How the numbers ``training_step`` returns beside its loss combine ([Note: a step's other outputs]).
+        self.output_combine: dict[str, str] = dict(plan.notes.get("output_combines") or {})
 
     def root(self) -> nn.Module:
         """The pipelined module."""
         root: nn.Module = self.module.get_submodule(self.root_name) if self.root_name else self.module
         return root
 
-    def train(self, batch: Any, batch_idx: int, accumulate: int, sync: bool) -> Tensor:
-        """One training step; gradients add to ``.grad`` (all-reduced if ``sync``); returns the batch's loss.
+    def train(self, batch: Any, batch_idx: int, accumulate: int, sync: bool) -> Tensor | dict[str, Any]:
+        """One training step; gradients add to ``.grad`` (all-reduced if ``sync``); returns the batch's loss,
+        or, where ``training_step`` returns a dict, the loss and its other entries merged over the micro-batches
+        ([Note: a step's other outputs]).
 
         A batch smaller than the plan's is padded, its micro-batches weighted by their real samples (see
         [Note: ragged batches])."""
@@ -107,6 +122,8 @@ class PipelinedSteps:
         self.channel.expect("training_step")
         records: list[LogRecord] = []
         samples: list[int] = []  # the real samples of the micro-batch that made each record
+        others: list[dict[str, Any]] = []  # what each micro-batch's step returned beside its loss
+        weights: list[int] = []
         module = self.module
         local, count = self.runner.local_batch_size, self.runner.plan.micro_batches
         summed = self.runner.plan.notes.get("loss_reduction") == "sum"
@@ -123,6 +140,9 @@ class PipelinedSteps:
                 out = module.training_step(slice_batch(batch, lo, lo + rows, size), batch_idx)
             samples.extend([rows] * (len(records) - before))
             loss = out.get("loss") if isinstance(out, Mapping) else out
+            if isinstance(out, Mapping):
+                others.append({k: _detached(v) for k, v in out.items() if k != "loss"})
+                weights.append(rows)
             if not isinstance(loss, Tensor):
                 raise ConfigError(
                     "training_step must return the loss (a tensor, or a dict with 'loss') under autopart"
@@ -141,11 +161,13 @@ class PipelinedSteps:
             loss = self.runner.step(inputs, target, sync=sync, scale=self.scale)
         finally:
             self.runner.loss_fn = None  # the closure holds the batch: it must not outlive the step
-        value, _ = self.replay(
-            "training_step", None if loss is None else loss * accumulate, merge_logs(records, samples, self.combine)
-        )
+        merged = merge_outputs(others, weights, self.output_combine) if others else {}
+        records = merge_logs(records, samples, self.combine)
+        records += [LogRecord(k, v, {OUTPUT: True}) for k, v in merged.items()]  # sent along, not logged
+        value, logs = self.replay("training_step", None if loss is None else loss * accumulate, records)
         self.losses.observe(value, getattr(module, "_trainer", None), batch_idx, scaled=self.scale is not None)
-        return value
+        outputs = {r.name: r.value for r in logs if r.kwargs.get(OUTPUT)}
+        return {"loss": value, **outputs} if outputs else value
 
     def evaluate(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipeline; the user's ``hook`` runs on the last stage once per micro-batch, on its slice of
@@ -270,16 +292,20 @@ class PipelinedSteps:
         """Send the last stage's loss and logs along the pipeline; log them again on every rank."""
         value, logs = self.channel.share(kind, loss, records, self.module)
         for record in logs:
-            self.module.log(record.name, record.value, **record.kwargs)
+            if not record.kwargs.get(OUTPUT):
+                self.module.log(record.name, record.value, **record.kwargs)
         return value, logs
 
 
-def merge_outputs(outputs: list[Any], samples: list[int] | None = None) -> Any:
-    """An evaluation step's per-micro-batch returns as one: tensors with a batch dimension concatenated,
-    scalar tensors averaged (weighted by ``samples``, each micro-batch's real samples, where they differ),
-    anything else taken from the last micro-batch."""
+def merge_outputs(outputs: list[Any], samples: list[int] | None = None, combine: dict[str, str] | None = None) -> Any:
+    """A step's per-micro-batch returns as one: tensors with a batch dimension concatenated, scalar tensors
+    averaged (weighted by ``samples``, each micro-batch's real samples, where they differ) or, for a dict's keys
+    in ``combine``, summed or their largest or smallest kept, anything else taken from the last micro-batch."""
     if len(outputs) == 1:
         return outputs[0]
+    if combine and all(isinstance(o, Mapping) for o in outputs) and len({tuple(o) for o in outputs}) == 1:
+        return {k: _combined([o[k] for o in outputs], combine[k]) if k in combine else
+                merge_outputs([o[k] for o in outputs], samples) for k in outputs[-1]}  # fmt: skip
     flat = [tree_flatten(o) for o in outputs]
     spec = flat[-1][1]
     if any(s != spec for _, s in flat):
@@ -300,6 +326,18 @@ def merge_outputs(outputs: list[Any], samples: list[int] | None = None) -> Any:
         else:
             merged.append(parts[-1])
     return tree_unflatten(merged, spec)
+
+
+def _combined(parts: list[Any], how: str) -> Any:
+    """Numbers (or one-element tensors) summed, or the largest or the smallest (``how``)."""
+    values = torch.stack([torch.as_tensor(p) for p in parts])
+    reduced = values.sum() if how == "sum" else values.max() if how == "max" else values.min()
+    return reduced if isinstance(parts[0], Tensor) else reduced.item()
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with its tensors detached: a step's other outputs hold no graph (as Lightning's do not)."""
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
 def _to_cpu(value: Any) -> Any:

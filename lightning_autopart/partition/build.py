@@ -120,6 +120,8 @@ def build_plan(
         )
     if combines := profile.meta.get("log_combines"):  # [Note: logged values over micro-batches]
         notes["log_combines"] = dict(combines)
+    if combines := profile.meta.get("output_combines"):  # [Note: a step's other outputs] in lightning/steps.py
+        notes["output_combines"] = dict(combines)
     if profile.meta.get("loss_reduction") == "sum":  # each micro-batch's loss added ([Note: a loss that grows])
         notes["loss_reduction"] = "sum"
     if mb > 1 and (norms := profile.meta.get("batch_statistics")):

@@ -43,8 +43,9 @@ from lightning_autopart.profile.loss import LossFn, _drop_slice
 
 __all__ = ["log_combines", "loss_findings", "loss_growth", "step_flow"]
 
-#: The name :func:`step_flow` gives the value a step returns, among those it logs ("logged: name").
-RETURNED, LOGGED = "returned", "logged: "
+#: The name :func:`step_flow` gives the value a step returns, among those it logs ("logged: name"); and the
+#: names the runs give the numbers a step returns beside its loss, among those it logs ("returned: key").
+RETURNED, LOGGED, OTHER = "returned", "logged: ", "returned: "
 
 
 def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str, Any]:
@@ -52,9 +53,10 @@ def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str
     or an evaluation step the loss offers as ``evaluation_steps()``, mixes samples: :func:`step_flow`),
     "loss_transformed" (where its loss transforms a statistic of the batch: [Note: statistics transformed] in
     capture/sample_flow.py), "loss_reduction" ("sum": a loss that sums its samples), "loss_growth" (a loss that
-    neither averages nor sums them: :func:`loss_growth`), "log_combines" (:func:`log_combines`) and
-    "log_transformed" (logged values that transform a statistic, by name: where); empty for a step that averages
-    its samples apart and logs means."""
+    neither averages nor sums them: :func:`loss_growth`), "log_combines" (:func:`log_combines`),
+    "log_transformed" (logged values that transform a statistic, by name: where) and "output_combines" (how
+    the numbers ``training_step`` returns beside its loss combine, as logged values do); empty for a step that
+    averages its samples apart and logs and returns means."""
     found: dict[str, Any] = {}
     evaluation: list[LossFn] = getattr(loss, "evaluation_steps", list)()  # they run per micro-batch as well
     flows = [step_flow(step, outputs, limit) for step in (loss, *evaluation)]
@@ -71,7 +73,9 @@ def loss_findings(loss: LossFn, outputs: dict[int, Any], limit: int) -> dict[str
     for step in evaluation:
         combines.update(_combines(_sample_runs(step, outputs)))
     combines.update(_combines(runs))  # the training step's, where a name is logged by several steps
-    if combines:
+    if others := {k[len(OTHER) :]: v for k, v in combines.items() if k.startswith(OTHER)}:
+        found["output_combines"] = others  # numbers training_step returns beside its loss
+    if combines := {k: v for k, v in combines.items() if not k.startswith(OTHER)}:
         found["log_combines"] = dict(sorted(combines.items()))
     logs = {k[len(LOGGED) :]: v for flow in flows for k, v in flow.transformed.items() if k.startswith(LOGGED)}
     if logs := {k: v for k, v in logs.items() if k not in combines}:  # a maximum or a sum is merged as one
@@ -262,10 +266,16 @@ def _run(
                 torch.manual_seed(0)
                 value = float(step(tree_unflatten(leaves, spec), len(indices)))
             logged = {k: float(v) for k, v in getattr(step, "logged", {}).items()}
+            returned = getattr(step, "returned", {}).items()
+            logged |= {OTHER + k: float(v) for k, v in returned if isinstance(v, (int, float)) or _scalar(v)}
             runs[indices] = (value, logged)
     except Exception:  # user code that cannot run here
         return None
     return runs
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta
 
 
 def _random(leaf: Any, device: torch.device) -> Any:

@@ -42,6 +42,12 @@ def steps(replica: int) -> list[tuple[str, float | None, list[LogRecord]]]:
         ("validation_step", None, [LogRecord("val", torch.tensor(8.0, dtype=torch.bfloat16), {})]),
         ("training_step", 2.0, []),
         ("training_step", 3.0, [LogRecord("vec", torch.arange(3, dtype=torch.int64) + replica, {})]),
+        # what a step returns beside its loss: objects travel in the layout (the second step reuses it, the third
+        # has a new value, so a new layout)
+        *[
+            ("training_step", 4.0, [loss, LogRecord("ids", ids, {"autopart_output": True})])
+            for ids in ([1, 2 + replica], [1, 2 + replica], ["a", replica])
+        ],
     ]
 
 

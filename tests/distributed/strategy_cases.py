@@ -46,8 +46,10 @@ class Lit(L.LightningModule):
         fail_at: int = -1,
         extra_logs: bool = False,
         reduction: str = "mean",
+        outputs: bool = False,
     ) -> None:
         super().__init__()
+        self.outputs = outputs  # training_step returns a dict that on_train_batch_end reads on every rank
         self.reduction = reduction  # "sum": the loss sums over samples ([Note: a loss that grows])
         self.fail_at = fail_at
         self.extra_logs = extra_logs
@@ -82,7 +84,16 @@ class Lit(L.LightningModule):
                 self.log("last_odd_batch", batch_idx, reduce_fx="max")
             self.log("loss_x2", 2 * loss, on_epoch=True, sync_dist=True)
             self.log("half", 0.5)
+        if self.outputs:  # [Note: a step's other outputs]: per-sample values concatenated, a count summed
+            first = batch[0].flatten(1)[:, 0]  # and a string: it travels in the channel's layout, once
+            return {"loss": loss, "samples": torch.tensor(len(batch[0])), "first": first, "tag": "b7"}
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.outputs:  # each replica's share, summed over the replicas as DDP's ranks would be
+            self.log("out_samples", outputs["samples"].float(), sync_dist=True, reduce_fx="sum")
+            self.log("out_first", outputs["first"].float().sum() + len(outputs["first"]), sync_dist=True, reduce_fx="sum")
+            self.log("out_tag", float(outputs["tag"][1:]), sync_dist=True)
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)
@@ -100,6 +111,7 @@ def make_lit(case: dict[str, Any]) -> Lit:
         extra_logs=case.get("extra_logs", False),
         reduction=case.get("reduction", "mean"),
         lr=case.get("lr", 0.1),
+        outputs=case.get("outputs", False),
     )
 
 
@@ -151,7 +163,8 @@ def fit(
 ) -> tuple[Lit, list[float], dict[str, float]]:
     """Train a case for ``STEPS`` optimizer steps; each batch holds ``LOCAL_BATCH x replicas`` samples in all.
 
-    Case options: ``accumulate`` (gradient accumulation), ``clip`` (gradient norm clipping), ``validate`` (a validation loader, a
+    Case options: ``accumulate`` (gradient accumulation), ``clip`` (gradient norm clipping), ``outputs`` (a dict
+    returned, read by ``on_train_batch_end``), ``validate`` (a validation loader, a
     ``ModelCheckpoint(monitor="val_loss")`` writing to ``ckpt_dir``), ``precision`` ("bf16-mixed", or "16-mixed"
     with a GradScaler of initial scale ``scale``, 2**16 by default). Returns the model, the logged ``train_loss``
     per batch and the final callback metrics (with the gradient scaler's final "scale"). ``probe`` is one more

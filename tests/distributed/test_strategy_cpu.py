@@ -70,6 +70,8 @@ LAUNCHES: list[tuple[str, int, list[dict[str, Any]]]] = [
             {"model": "residual", "stages": 4, "micro_batches": 4},
             {"model": "gpt", "stages": 2, "accumulate": 2, "extra_logs": True},
             {"model": "loss", "stages": 2, "schedule": "1F1B"},
+            # training_step returns a dict: on_train_batch_end sees it merged, on the first stage's ranks too
+            {"model": "mlp", "stages": 2, "outputs": True},
         ],
     ),
 ]
@@ -106,9 +108,8 @@ def _case_id(index: int) -> str:
     launch_index, case = CASES[index]
     how, world, _ = LAUNCHES[launch_index]
     sub = "-submodule" if case.get("via_submodule") else ""
-    options = "".join(
-        f"-{k}" for k in ("accumulate", "clip", "validate", "extra_logs", "schedule", "reduction") if k in case
-    ) + (f"-{case['precision']}" if "precision" in case else "")
+    keys = ("accumulate", "clip", "validate", "extra_logs", "schedule", "reduction", "outputs")
+    options = "".join(f"-{k}" for k in keys if k in case) + (f"-{case['precision']}" if "precision" in case else "")
     return f"{how}{world}-{case['model']}{sub}-{case['stages']}x{world // case['stages']}{options}"
 
 
