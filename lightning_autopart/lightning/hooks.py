@@ -25,6 +25,7 @@ from lightning_autopart.lightning.metrics import (
 
 __all__ = [
     "LOG_ARGUMENTS",
+    "REDUCE",
     "ForwardCall",
     "LogRecord",
     "batch_range",
@@ -38,6 +39,7 @@ __all__ = [
     "replaced_forward",
     "sample_range",
     "slice_batch",
+    "take_rows",
 ]
 
 
@@ -136,11 +138,17 @@ def batch_size_of(batch: Any) -> int:
 
 def slice_batch(batch: Any, lo: int, hi: int, size: int) -> Any:
     """Samples ``lo:hi`` of every tensor of ``batch`` whose leading size is ``size`` (others unchanged)."""
+    return take_rows(batch, slice(lo, hi), size)
+
+
+def take_rows(batch: Any, rows: slice | list[int], size: int) -> Any:
+    """The samples ``rows`` (a slice: views; indices: copies, in that order, repeats allowed) of every tensor of
+    ``batch`` whose leading size is ``size``, the batch's; other leaves unchanged."""
 
     def cut(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size:
-            return x[lo:hi]
-        return x
+        if not (isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size):
+            return x
+        return x[rows] if isinstance(rows, slice) else x[torch.tensor(rows, device=x.device)]
 
     return tree_map(cut, batch)
 
@@ -236,7 +244,7 @@ def merge_logs(
         if isinstance(last, torch.Tensor):
             values = torch.stack([torch.as_tensor(r.value, dtype=torch.float64, device=last.device) for r in recs])
             if how != "mean":
-                value = _REDUCE[how](values).to(last.dtype)
+                value = REDUCE[how](values).to(last.dtype)
             elif weights is None:
                 value = values.mean(0).to(last.dtype)
             else:  # Python weights: no host-to-device copy
@@ -245,7 +253,7 @@ def merge_logs(
         else:
             numbers = [float(r.value) for r in recs]
             if how != "mean":
-                value = float(_REDUCE[how](torch.tensor(numbers, dtype=torch.float64)))
+                value = float(REDUCE[how](torch.tensor(numbers, dtype=torch.float64)))
             elif weights is None:
                 value = sum(numbers) / len(numbers)
             else:
@@ -254,8 +262,9 @@ def merge_logs(
     return out + finish_notes(notes)
 
 
-#: How the micro-batches' values of a logged value that is not a mean combine, by ``combine`` name.
-_REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+#: How micro-batches' values of a value that is not a mean combine (stacked on dimension 0), by ``combine`` name:
+#: logged values here, a step's other outputs in steps.py.
+REDUCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sum": lambda t: t.sum(0),
     "max": lambda t: t.amax(0),
     "min": lambda t: t.amin(0),

@@ -20,6 +20,7 @@ from lightning_autopart.lightning.hooks import (
     patched_log,
     replaced_forward,
     slice_batch,
+    take_rows,
 )
 from lightning_autopart.lightning.metrics import is_metric
 from lightning_autopart.profile.readback import StepReads, ValueReads
@@ -45,9 +46,12 @@ class StepLoss:
         self.sliced: Any = ()
         self._placed: tuple[torch.device, Any] | None = None
         self._tracing = False
-        #: The last value of each number the step logged (a one-element tensor, detached, or a number).
+        #: The last value of each number the step logged (a one-element tensor, detached, or a number); what
+        #: calls inside :meth:`tracing` log (fake tensors) is forgotten at its end.
         self.logged: dict[str, Any] = {}
-        #: What the last call's ``training_step`` returned besides the loss, by key (a dict's other entries).
+        #: The numbers the last call's ``training_step`` returned besides the loss, by key (a dict's other
+        #: entries that are numbers or one-element tensors, detached: nothing keeps a graph or a batch's
+        #: tensors alive after a profiling run); as :attr:`logged`, forgotten at the end of :meth:`tracing`.
         self.returned: dict[str, Any] = {}
 
     def place(self, device: torch.device | None) -> None:
@@ -74,7 +78,7 @@ class StepLoss:
             out = getattr(module, self.hook)(part, 0)
         self.reads.seen = True
         value = out.get("loss") if isinstance(out, dict) else out
-        self.returned = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, dict) else {}
+        self.returned = _numbers(out) if isinstance(out, dict) else {}
         if self.hook != "training_step":
             return value if isinstance(value, torch.Tensor) else torch.zeros(())
         if not isinstance(value, torch.Tensor):
@@ -86,14 +90,8 @@ class StepLoss:
     def rows(self, indices: list[int]) -> StepLoss:
         """The loss over the batch's samples ``indices``, in that order and repeats allowed (the step checks of
         profile/step_checks.py run it on one sample, on it repeated, on two)."""
-        index = torch.tensor(indices)
-
-        def pick(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.batch_size:
-                return x[index.to(x.device)]
-            return x
-
-        return StepLoss(self.module, self.root_name, tree_map(pick, self.batch), len(indices), self.hook)
+        rows = take_rows(self.batch, indices, self.batch_size)
+        return StepLoss(self.module, self.root_name, rows, len(indices), self.hook)
 
     def evaluation_steps(self) -> list[StepLoss]:
         """The module's own ``validation_step`` and ``test_step``, each as a loss over this batch: they run once
@@ -106,25 +104,36 @@ class StepLoss:
     def tracing(self) -> Iterator[None]:
         """Calls inside skip the step's torchmetrics updates: the loss is traced on fake tensors
         (``step_flow`` in profile/step_checks.py), which hold no values for a metric to count, and a metric
-        changes nothing the loss computes."""
+        changes nothing the loss computes. What they log or return (fake tensors) is forgotten at the end."""
         with ExitStack() as stack:
             for m in self.module.modules():
                 if is_metric(m):
                     stack.enter_context(instance_attribute(m, "forward", _no_update))
                     stack.enter_context(instance_attribute(m, "update", _no_update))
-            self._tracing = True
+            self._tracing, kept = True, (self.logged, self.returned)
+            self.logged, self.returned = dict(self.logged), dict(self.returned)
             try:
                 yield
             finally:
-                self._tracing = False
+                self._tracing, (self.logged, self.returned) = False, kept
 
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        if _is_number(value):
             self.logged[name] = value.detach() if isinstance(value, torch.Tensor) else value
         if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.device.type == "cpu"):
             return  # converting it to a number reads nothing from a device
         options = {**dict(zip(LOG_ARGUMENTS, args, strict=False)), **kwargs}
         self.reads.note_log(bool(options.get("prog_bar", False)), options.get("logger"), options.get("on_step"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
+def _numbers(out: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a step's returned dict beside its loss that are numbers, tensors detached."""
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()
+            if k != "loss" and _is_number(v)}  # fmt: skip
 
 
 def _overrides(module: Any, hook: str) -> bool:

@@ -31,6 +31,7 @@ from lightning_autopart.capture.modes import branch_mode, mixed_modes
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.finite import LossCheck
 from lightning_autopart.lightning.hooks import (
+    REDUCE,
     LogRecord,
     batch_range,
     batch_size_of,
@@ -303,20 +304,20 @@ def merge_outputs(outputs: list[Any], samples: list[int] | None = None, combine:
     in ``combine``, summed or their largest or smallest kept, anything else taken from the last micro-batch."""
     if len(outputs) == 1:
         return outputs[0]
-    if combine and all(isinstance(o, Mapping) for o in outputs) and len({tuple(o) for o in outputs}) == 1:
-        return {k: _combined([o[k] for o in outputs], combine[k]) if k in combine else
-                merge_outputs([o[k] for o in outputs], samples) for k in outputs[-1]}  # fmt: skip
     flat = [tree_flatten(o) for o in outputs]
     spec = flat[-1][1]
     if any(s != spec for _, s in flat):
         return outputs[-1]
+    hows = _leaf_combines(outputs[-1], combine or {})
     weights = None
     if samples is not None and len(set(samples)) > 1:
         weights = [c / sum(samples) for c in samples]
     merged = []
-    for parts in zip(*(leaves for leaves, _ in flat), strict=True):
+    for how, parts in zip(hows, zip(*(leaves for leaves, _ in flat), strict=True), strict=True):
         first = parts[0]
-        if isinstance(first, Tensor) and first.dim() > 0:
+        if how is not None:
+            merged.append(_combined(parts, how))
+        elif isinstance(first, Tensor) and first.dim() > 0:
             merged.append(torch.cat(parts))
         elif isinstance(first, Tensor) and first.is_floating_point():
             if weights is None:
@@ -328,10 +329,18 @@ def merge_outputs(outputs: list[Any], samples: list[int] | None = None, combine:
     return tree_unflatten(merged, spec)
 
 
-def _combined(parts: list[Any], how: str) -> Any:
-    """Numbers (or one-element tensors) summed, or the largest or the smallest (``how``)."""
-    values = torch.stack([torch.as_tensor(p) for p in parts])
-    reduced = values.sum() if how == "sum" else values.max() if how == "max" else values.min()
+def _leaf_combines(output: Any, combine: dict[str, str]) -> list[str | None]:
+    """For each leaf of ``output`` (in ``tree_flatten``'s order), how it combines: its top-level key's entry
+    in ``combine``, or None (concatenated or averaged)."""
+    if not isinstance(output, Mapping):
+        return [None] * len(tree_flatten(output)[0])
+    return [combine.get(k) for k, v in output.items() for _ in tree_flatten(v)[0]]
+
+
+def _combined(parts: tuple[Any, ...], how: str) -> Any:
+    """Numbers or tensors summed over the micro-batches, or their largest or smallest elementwise (``how``: a key
+    of ``REDUCE``)."""
+    reduced = REDUCE[how](torch.stack([torch.as_tensor(p) for p in parts]))
     return reduced if isinstance(parts[0], Tensor) else reduced.item()
 
 

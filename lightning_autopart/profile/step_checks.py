@@ -106,8 +106,8 @@ def step_flow(loss: LossFn, outputs: dict[int, Any], limit: int) -> TracedFlow:
                 fake = tree_map(lambda t: _fake_like(t, device), outputs[n])
                 with RecordOps(trace):
                     value = loss(fake, n)
-            logged = getattr(loss, "logged", {})
-            trace.named = {LOGGED + k: v for k, v in logged.items() if isinstance(v, torch.Tensor)}
+                logged = getattr(loss, "logged", {})  # read inside: the strategy's loss forgets them after
+                trace.named = {LOGGED + k: v for k, v in logged.items() if isinstance(v, torch.Tensor)}
             if isinstance(value, torch.Tensor):
                 trace.named[RETURNED] = value
             traces.append(trace)

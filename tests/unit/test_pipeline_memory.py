@@ -18,6 +18,7 @@ from lightning_autopart.partition.tables import CostTables
 from lightning_autopart.planner import profile_model
 from lightning_autopart.profile.loss import batch_bytes, profile_loss
 from lightning_autopart.profile.records import cost_at
+from lightning_autopart.profile.step_checks import step_flow
 
 
 class Chain(nn.Module):
@@ -139,6 +140,28 @@ def test_a_batch_on_another_device_than_the_output_is_not_the_loss_s_memory() ->
     tensor = 8 * 16 * 4
     for cost in costs.values():
         assert (cost.saved_bytes, cost.output_saved_bytes, cost.transient_bytes) == (tensor, tensor, 4 * tensor + 8)
+
+
+class _Returning(_Regressor):
+    """A step that returns its predictions (with their graph), a count and a name beside the loss."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:  # type: ignore[override]
+        out = self.model(batch["x"])
+        self.log("train_error", (out - batch["y"]).abs().mean())
+        return {"loss": F.mse_loss(out, batch["y"]), "preds": out, "n": torch.tensor(8.0), "tag": "fit"}
+
+
+def test_the_step_loss_keeps_only_numbers_of_what_the_step_returns_and_logs() -> None:
+    """Profiling runs the step with its graph on the device: what it returns beside the loss (its predictions,
+    their graph) is not kept past the run, only its numbers, detached, for the planner's combine checks; a
+    traced call (fake tensors) leaves the last run's numbers as they were."""
+    loss = step_loss(_Returning(), "model", {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}, 8)
+    profile_loss(loss, torch.randn(8, 16, requires_grad=True), 8, warmup=0, repeats=1)
+    assert set(loss.returned) == {"n"} and loss.returned["n"].grad_fn is None
+    assert loss.logged["train_error"].grad_fn is None
+    before = (loss.returned["n"], loss.logged["train_error"])
+    step_flow(loss, {2: torch.randn(2, 16), 4: torch.randn(4, 16)}, 8)
+    assert (loss.returned["n"], loss.logged["train_error"]) == before
 
 
 class _Watched(_Regressor):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_autopart import AutoPartitionStrategy
+from lightning_autopart.lightning.steps import merge_outputs
 from tests.one_device import fit_one_device
 from tests.unit.test_step_checks import _Summed
 
@@ -60,3 +61,17 @@ def check_step_outputs(module: type[_Returns], accelerator: str) -> None:
 def test_on_train_batch_end_sees_the_whole_batchs_outputs(module: type[_Returns]) -> None:
     """Before: [{'loss': ...}] each step, the other keys dropped."""
     check_step_outputs(module, "cpu")
+
+
+def test_merge_outputs_combines_the_keys_found_so_elementwise() -> None:
+    """A key the planner found summed (or a maximum) combines elementwise over micro-batches, nested or not, a
+    number staying a number; the others are concatenated or averaged as before."""
+    outputs = [
+        {"counts": torch.tensor([1.0, 2.0]), "best": 3, "nested": {"n": torch.tensor(2)}, "preds": torch.zeros(2, 1)},
+        {"counts": torch.tensor([4.0, 0.0]), "best": 5, "nested": {"n": torch.tensor(3)}, "preds": torch.ones(2, 1)},
+    ]
+    merged = merge_outputs(outputs, None, {"counts": "sum", "best": "max", "nested": "sum"})
+    assert merged["counts"].tolist() == [5.0, 2.0]
+    assert merged["best"] == 5 and isinstance(merged["best"], int)
+    assert int(merged["nested"]["n"]) == 5
+    assert merged["preds"].shape == (4, 1)
