@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -350,6 +351,13 @@ def dataset(name: str, n: int, seed: int = 1) -> DictDataset:
     raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
 
 
+class GradNorms(Callback):
+    """Lightning's documented gradient norms, logged from a callback: every stage's under autopart."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
 class _Losses(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -365,7 +373,7 @@ def fit(
 
     With ``strategy="auto"`` (the one-process reference) each batch holds the ``LOCAL_BATCH x replicas`` samples
     the replicas see together (see ``global_order``). ``validate`` adds a validation loader, run once after the
-    last step. Returns the model, the logged ``train_loss`` of every batch and the final callback metrics.
+    last step; ``grad_norm`` logs the gradients' norms (:class:`GradNorms`). Returns the model, the logged ``train_loss`` of every batch and the final callback metrics.
     ``probe`` is one more callback (tests/census.py's StepPeak).
     """
     model = make_lit(case)
@@ -389,7 +397,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[losses, *([probe] if probe is not None else [])],
+        callbacks=[losses, *([probe] if probe is not None else []), *([GradNorms()] if case.get("grad_norm") else [])],
     )
     trainer.fit(model, DataLoader(data, batch_size=batch), val)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

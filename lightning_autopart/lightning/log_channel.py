@@ -36,14 +36,24 @@ from lightning_autopart.lightning.metrics import StateSpec, resolve_metrics
 from lightning_autopart.plan import Plan
 from lightning_autopart.runtime.topology import new_group, pipeline_ranks
 
-__all__ = ["MAX_LAYOUTS", "LogChannel", "open_log_channel"]
+__all__ = [
+    "MAX_LAYOUTS",
+    "NUMBER_KINDS",
+    "LogChannel",
+    "Slot",
+    "layout_of",
+    "open_log_channel",
+    "placed",
+    "portable",
+    "unpack_layout",
+]
 
 #: Layouts kept per step kind before the list starts over.
 MAX_LAYOUTS = 16
 
 
 @dataclass(frozen=True)
-class _Slot:
+class Slot:
     """Where one record's value sits in the packed messages, and how to rebuild it."""
 
     name: str
@@ -60,7 +70,8 @@ class _Slot:
         return math.prod(self.shape)
 
 
-def _slots(records: list[LogRecord]) -> list[_Slot]:
+def layout_of(records: list[LogRecord]) -> list[Slot]:
+    """The layout of ``records``: where each value travels (device part, host part or the layout itself)."""
     out = []
     for r in records:
         kwargs = tuple(sorted(r.kwargs.items()))
@@ -76,23 +87,23 @@ def _slots(records: list[LogRecord]) -> list[_Slot]:
         elif isinstance(r.value, (int, float)):
             kind = "int" if isinstance(r.value, int) else "float"
         else:
-            kind, blob = "object", pickle.dumps(_portable(r.value))
-        out.append(_Slot(r.name, kind, dtype, shape, kwargs, r.metric, r.states, blob))
+            kind, blob = "object", pickle.dumps(portable(r.value))
+        out.append(Slot(r.name, kind, dtype, shape, kwargs, r.metric, r.states, blob))
     return out
 
 
 #: Slot kinds sent in the host part.
-_NUMBERS = ("int", "float")
+NUMBER_KINDS = ("int", "float")
 
 
 #: Entries of the host part before the numbers: the layout index and the sender's ``should_stop``.
 _HEADER = 2
 
 
-def _widths(layouts: list[list[_Slot]]) -> tuple[int, int]:
+def _widths(layouts: list[list[Slot]]) -> tuple[int, int]:
     """Sizes of the host part (header, numbers) and of the device part (loss, tensors) of a message that fits
     every one of ``layouts``."""
-    host = max((sum(1 for s in layout if s.kind in _NUMBERS) for layout in layouts), default=0)
+    host = max((sum(1 for s in layout if s.kind in NUMBER_KINDS) for layout in layouts), default=0)
     values = max((sum(s.numel for s in layout if s.kind == "tensor") for layout in layouts), default=0)
     return _HEADER + host, 1 + values
 
@@ -127,7 +138,7 @@ class LogChannel:
         self.is_src = rank == src
         self.device = device or torch.device("cpu")
         self.device_group = device_group
-        self._layouts: dict[str, list[list[_Slot]]] = {}
+        self._layouts: dict[str, list[list[Slot]]] = {}
         self._inflight: tuple[list[Any], tuple[torch.Tensor, ...]] = ([], ())
         self._posted: tuple[str, list[Any], torch.Tensor, torch.Tensor] | None = None
 
@@ -190,20 +201,20 @@ class LogChannel:
         numbers = host.numpy()  # host memory: read without a device sync
         stop = bool(numbers[1] > 0)
         if numbers[0] >= 0:
-            return values[0], _unpack(self._layouts[kind][int(numbers[0])], numbers[_HEADER:], values[1:]), stop
+            return values[0], unpack_layout(self._layouts[kind][int(numbers[0])], numbers[_HEADER:], values[1:]), stop
         box: list[Any] = [None]
         dist.broadcast_object_list(box, self.src, group=self.group)
         received: list[LogRecord] = box[0]
-        self._learn(kind, _slots(received))
+        self._learn(kind, layout_of(received))
         for r in received:
-            r.value = _placed(r.value, self.device)
+            r.value = placed(r.value, self.device)
         return values[0], received, stop
 
     def _send(
         self, kind: str, loss: torch.Tensor | None, records: list[LogRecord], stop: bool = False
     ) -> tuple[torch.Tensor, list[LogRecord]]:
         self.wait()
-        slots = _slots(records)
+        slots = layout_of(records)
         known = self._layouts.get(kind, [])
         same = slots in known
         whole, host, values = self._buffers(kind)
@@ -212,7 +223,7 @@ class LogChannel:
         value = torch.tensor(math.nan, device=self.device) if loss is None else loss.detach()
         values[0] = value
         if same:
-            numbers = [float(r.value) for r, s in zip(records, slots, strict=True) if s.kind in _NUMBERS]
+            numbers = [float(r.value) for r, s in zip(records, slots, strict=True) if s.kind in NUMBER_KINDS]
             if numbers:
                 host[_HEADER : _HEADER + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
             tensors = [r.value.reshape(-1) for r, s in zip(records, slots, strict=True) if s.kind == "tensor"]
@@ -223,14 +234,14 @@ class LogChannel:
         if same:
             self._inflight = (works, (whole, values))  # the buffers stay alive until sent
         else:
-            portable = [replace(r, value=_portable(r.value)) for r in records]
-            dist.broadcast_object_list([portable], self.src, group=self.group)
+            sent = [replace(r, value=portable(r.value)) for r in records]
+            dist.broadcast_object_list([sent], self.src, group=self.group)
             self._learn(kind, slots)
             for work in works:
                 work.wait()
         return value, records
 
-    def _learn(self, kind: str, layout: list[_Slot]) -> None:
+    def _learn(self, kind: str, layout: list[Slot]) -> None:
         """Remember a new layout of ``kind`` (on every member alike, so indices and widths agree)."""
         known = self._layouts.setdefault(kind, [])
         if len(known) >= MAX_LAYOUTS:
@@ -255,17 +266,18 @@ class LogChannel:
         self._inflight = ([], ())
 
 
-def _portable(value: Any) -> Any:
+def portable(value: Any) -> Any:
     """``value`` with its tensors on the CPU, to be pickled: the receivers may have other device indices."""
     return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _placed(value: Any, device: torch.device) -> Any:
+def placed(value: Any, device: torch.device) -> Any:
     """A received ``value`` with its tensors on this rank's ``device``."""
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[LogRecord]:
+def unpack_layout(layout: list[Slot], numbers: Any, values: torch.Tensor) -> list[LogRecord]:
+    """The records a message of ``layout`` carries: its host part's ``numbers`` and device part's ``values``."""
     out = []
     host = device = 0
     for slot in layout:
@@ -274,12 +286,12 @@ def _unpack(layout: list[_Slot], numbers: Any, values: torch.Tensor) -> list[Log
             assert slot.dtype is not None
             value = values[device : device + slot.numel].reshape(slot.shape).to(slot.dtype)
             device += slot.numel
-        elif slot.kind in _NUMBERS:
+        elif slot.kind in NUMBER_KINDS:
             number = float(numbers[host])
             value = int(number) if slot.kind == "int" else number
             host += 1
         elif slot.kind == "object" and slot.blob is not None:
-            value = _placed(pickle.loads(slot.blob), values.device)  # sent by this job's last stage
+            value = placed(pickle.loads(slot.blob), values.device)  # sent by this job's last stage
         out.append(LogRecord(slot.name, value, dict(slot.kwargs), slot.metric, slot.states))
     return out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
@@ -30,6 +31,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from lightning_autopart.errors import ConfigError
+from lightning_autopart.lightning.grad_logs import GradientLogs, gathered_logs
+from lightning_autopart.lightning.hooks import instance_attribute
 from lightning_autopart.lightning.split import Partition
 from lightning_autopart.lightning.steps import PipelinedSteps
 from lightning_autopart.runtime.gradients import agree_on_overflow, clip_by_global_norm
@@ -50,6 +53,8 @@ if TYPE_CHECKING:  # the Strategy's loop hooks, after this class in the MRO
 
         def on_predict_end(self) -> None: ...
 
+        def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any: ...
+
 else:
     _LoopHooks = object
 
@@ -58,7 +63,7 @@ class StepHooks(_LoopHooks):
     """The Strategy's step methods, over the :class:`Partition` made in ``setup``. The pipeline runs forward and
     backward inside ``training_step``; ``backward`` only hands the gradients to the parameters, after Lightning's
     ``zero_grad``. At the loops' boundaries it reads the non-finite loss check and drops an evaluation's
-    schedule."""
+    schedule. What the gradient hooks log is gathered from every stage (see [Note: gradient hooks])."""
 
     _part: Partition | None
     _params: list[Any]
@@ -67,6 +72,8 @@ class StepHooks(_LoopHooks):
     world_size: int
     _lm: Any
     root_device: Any
+    #: The gathering of the gradient hooks' logs, with the partition it serves.
+    _gradient_logs: tuple[Partition, GradientLogs] | None = None
 
     @property
     def _steps(self) -> PipelinedSteps | None:
@@ -227,9 +234,37 @@ class StepHooks(_LoopHooks):
         for p, g in zip(self._params, self._stash, strict=False):
             p.grad = g
         self._stash = []  # the parameters hold them now: kept here, they would outlive zero_grad
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
+        with self._gathered_logs("on_after_backward"):
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self._lm)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, with what ``on_before_optimizer_step`` logs gathered from every stage (the precision
+        plugin calls that hook, then clips, after the closure)."""
+        plugin = self.precision_plugin
+        after = plugin._after_closure
+
+        def gathered_after(model: Any, optimizer: Any) -> None:
+            with self._gathered_logs("on_before_optimizer_step"):
+                after(model, optimizer)
+
+        with instance_attribute(plugin, "_after_closure", gathered_after):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _gathered_logs(self, hook: str) -> Any:
+        """Where ``hook`` runs: its logs gathered from every stage of this rank's pipeline."""
+        part = self._part
+        if part is None:
+            return gathered_logs(None, self._lm, hook)
+        if self._gradient_logs is None or self._gradient_logs[0] is not part:
+            steps = part.steps
+            self._gradient_logs = (part, GradientLogs.of(steps.channel, steps.runner.placement, part.plan))
+        trainer = self._lm.trainer
+        overridden = _overrides(self._lm, pl.LightningModule, hook) or any(
+            _overrides(c, pl.Callback, hook) for c in trainer.callbacks
+        )
+        return gathered_logs(self._gradient_logs[1], self._lm, hook, overridden)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """``clip_grad_norm_`` with the norm over every stage of the pipeline (tied parameters counted once)."""
@@ -237,3 +272,8 @@ class StepHooks(_LoopHooks):
         assert self._part is not None
         many = len(self._part.steps.runner.placement.pp_ranks) > 1
         clip_by_global_norm(params, clip_val, self._part.counted_elsewhere, self._part.pp_group if many else None)
+
+
+def _overrides(obj: Any, base: type, hook: str) -> bool:
+    """Whether ``obj`` (a module or callback) has its own ``hook``, not ``base``'s no-op."""
+    return hook in vars(obj) or getattr(type(obj), hook, None) is not getattr(base, hook, None)

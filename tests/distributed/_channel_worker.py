@@ -1,6 +1,8 @@
 """A torchrun worker for the log channel: 2 stages x 2 replicas; each pipeline's last stage shares a step
-sequence whose logged names change. Rank r writes ``OUT/rank{r}.pt``: the (loss, records) it received per step,
-and the timeout of every group it is in (the channel's, the runtime's), the job's being :data:`TIMEOUT`.
+sequence whose logged names change, then every stage gathers what its gradient hooks logged (while the last
+message is still in flight on the same group). Rank r writes ``OUT/rank{r}.pt``: the (loss, records) it
+received per step, the records gathered per call, and the timeout of every group it is in (the channel's, the
+runtime's), the job's being :data:`TIMEOUT`.
 
 Usage: ``python -m torch.distributed.run --nproc_per_node=4 tests/distributed/_channel_worker.py OUT``.
 """
@@ -17,13 +19,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_autopart.lightning.grad_logs import GradientLogs
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.log_channel import open_log_channel
-from lightning_autopart.runtime.topology import build_groups
+from lightning_autopart.runtime.topology import build_groups, place
 from tests.distributed.job import end_job
 from tests.pipeline_plans import make_plan
 
-__all__ = ["TIMEOUT", "steps"]
+__all__ = ["TIMEOUT", "gradient_logs", "steps"]
 
 #: The job's timeout (``init_process_group``): every group autopart creates must take it, not torch's 30 minutes.
 TIMEOUT = timedelta(seconds=41)
@@ -51,6 +54,19 @@ def steps(replica: int) -> list[tuple[str, float | None, list[LogRecord]]]:
     ]
 
 
+def gradient_logs(stage: int) -> list[list[LogRecord]]:
+    """What a stage's gradient hooks log, call by call: layouts new, known, empty on one stage, known again."""
+    s = float(stage)
+    return [
+        [LogRecord(f"w{stage}", torch.tensor(0.5 + s), {}), LogRecord("lr", 0.1, {"prog_bar": True})],
+        [LogRecord(f"w{stage}", torch.tensor(1.5 + s), {}), LogRecord("lr", 0.2, {"prog_bar": True})],
+        [] if stage else [LogRecord("only0", torch.arange(4.0), {"on_epoch": True})],
+        [LogRecord(f"w{stage}", torch.tensor(2.5 + s), {}), LogRecord("lr", 0.3, {"prog_bar": True})],
+        [LogRecord("n", 7 + stage, {}), LogRecord("b", torch.tensor([1.0 + s], dtype=torch.bfloat16), {})],
+        [LogRecord("n", 9 + stage, {}), LogRecord("b", torch.tensor([2.0 - s], dtype=torch.bfloat16), {})],
+    ]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo", timeout=TIMEOUT)
@@ -66,10 +82,13 @@ def main() -> None:
             got.append(channel.share(kind, None if loss is None else torch.tensor(loss), records))
         else:
             got.append(channel.share(kind, None, []))
+    placement = place(plan, rank)
+    logs = GradientLogs.of(channel, placement, plan)
+    gathered = [logs.gather("on_after_backward", records) for records in gradient_logs(placement.pp_rank)]
     channel.wait()
     groups = [channel.group, *build_groups(plan, [("tie", (0, 1))]).values()]
     timeouts = [g._get_backend(torch.device("cpu")).options._timeout for g in groups if g is not None]
-    torch.save({"replica": replica, "got": got, "timeouts": timeouts}, out / f"rank{rank}.pt")
+    torch.save({"replica": replica, "got": got, "gathered": gathered, "timeouts": timeouts}, out / f"rank{rank}.pt")
     end_job()
 
 

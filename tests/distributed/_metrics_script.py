@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 from torchmetrics import MeanMetric, MeanSquaredError
@@ -39,7 +40,8 @@ LOCAL_BATCH, TRAIN_STEPS, VAL_STEPS, CLASSES, MAX_EPOCHS = 8, 4, 2, 4, 6
 
 
 class MetricLit(L.LightningModule):
-    """A classifier logging metric objects in its steps, the usual way, plus one metric computed at epoch end."""
+    """A classifier logging metric objects in its steps, the usual way, plus one metric computed at epoch end, and
+    gradient norms and maxima in the gradient hooks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +77,14 @@ class MetricLit(L.LightningModule):
         self.log("train_mse", self.train_mse, on_step=True, on_epoch=True)
         self.log("train_mean", self.train_mean, on_step=False, on_epoch=True)
         return loss
+
+    def on_after_backward(self) -> None:
+        grads = [p.grad.abs().max() for p in self.parameters() if p.grad is not None]
+        self.log("grad_max", torch.stack(grads).max())  # over one stage's parameters under autopart
+        self.log("lr_seen", self.trainer.optimizers[0].param_groups[0]["lr"])  # the same on every stage
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))  # Lightning's documented idiom
 
     def on_train_epoch_end(self) -> None:
         self.log("epoch_mean", self.epoch_mean.compute())

@@ -39,12 +39,16 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
         {"model": "bert", "stages": 2, "schedule": "GPipe", "optimizer": "adamw"},
         {"model": "t5", "stages": 2, "schedule": "1F1B", "optimizer": "sgd"},
         {"model": "vit", "stages": 2, "schedule": "GPipe", "optimizer": "sgd"},
-        {"model": "gpt2", "stages": 2, "schedule": "GPipe", "optimizer": "sgd", "validate": True},
+        # grad_norm: Lightning's gradient norms logged from a callback, gathered over the stages (a tied embedding)
+        {"model": "gpt2", "stages": 2, "schedule": "GPipe", "optimizer": "sgd", "validate": True, "grad_norm": True},
         {"model": "bert", "stages": 2, "schedule": "1F1B", "optimizer": "sgd", "validate": True},
         {"model": "mistral", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
         {"model": "mixtral", "stages": 2, "schedule": "GPipe", "optimizer": "sgd"},
         # 2 chunks per rank whose micro-batches peak at different moments ([Note: a rank's chunks])
-        {"model": "llama", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4},
+        {
+            "model": "llama", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4,
+            "grad_norm": True,
+        },
         # rotary tables computed in a loop over a set, in another order on each rank (see run_world)
         {"model": "gemma3", "stages": 2, "schedule": "Interleaved1F1B", "optimizer": "adamw", "micro_batches": 4},
         # the images pass through every stage to the loss: held as received ([Note: pipeline buffers])
@@ -54,7 +58,7 @@ LAUNCHES: dict[int, list[dict[str, Any]]] = {
     ],
     4: [
         # with 2 replicas per stage; the 2-rank launch covers each model and schedule with one
-        {"model": "gpt2", "stages": 2, "schedule": "1F1B", "optimizer": "adamw"},
+        {"model": "gpt2", "stages": 2, "schedule": "1F1B", "optimizer": "adamw", "grad_norm": True},
         {"model": "llama", "step": "logits", "stages": 2, "schedule": "1F1B", "optimizer": "sgd"},
         {"model": "t5", "stages": 2, "schedule": "GPipe", "optimizer": "adamw"},
         {"model": "vit", "stages": 2, "schedule": "1F1B", "optimizer": "sgd", "validate": True},
@@ -194,6 +198,11 @@ def test_hf_pipeline_equals_single_process(worlds: dict[int, WorldRun], index: i
         # A rank keeps only its own stage's weights: every other parameter was freed.
         assert all(d == "meta" for d in got["held_elsewhere"].values()), f"rank {rank}: {got['held_elsewhere']}"
         assert set(got["params"]) | set(got["held_elsewhere"]) == set(expected)
+        if case.get("grad_norm"):  # every parameter's gradient norm and the model's total, on every rank
+            norms = {k: v for k, v in expected_metrics.items() if k.startswith("grad_")}
+            assert len(norms) > 2 and {k for k in got["metrics"] if k.startswith("grad_")} == set(norms)
+            for k, v in norms.items():
+                assert got["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-7), f"rank {rank}: {k}"
         if case.get("validate"):  # val_loss is logged with sync_dist=True: the mean over the whole set
             assert got["metrics"]["val_loss"] == pytest.approx(expected_metrics["val_loss"], rel=1e-5), (
                 f"rank {rank}: val_loss differs"

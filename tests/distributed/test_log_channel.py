@@ -1,5 +1,6 @@
 """What stages share besides activations, on gloo ranks: the last stage's logs along each pipeline (2 stages x 2
-replicas), and a gradient scaler's overflow flag over every rank."""
+replicas), every stage's gradient-hook logs within its pipeline, and a gradient scaler's overflow flag over
+every rank."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from lightning_autopart.lightning.hooks import LogRecord
 from lightning_autopart.lightning.log_channel import LogChannel
-from tests.distributed._channel_worker import TIMEOUT, steps
+from tests.distributed._channel_worker import TIMEOUT, gradient_logs, steps
 from tests.distributed.launch import run_job
 
 pytestmark = pytest.mark.distributed
@@ -34,13 +35,23 @@ def test_every_pipeline_rank_receives_its_last_stage_logs(tmp_path: Path) -> Non
         for (kind, loss, records), (got_loss, got_records) in zip(expected, result["got"], strict=True):
             assert isinstance(got_loss, torch.Tensor) and got_loss.dim() == 0, f"rank {rank} {kind}"
             assert math.isnan(got_loss) if loss is None else float(got_loss) == loss, f"rank {rank} {kind}"
-            assert [(r.name, r.kwargs) for r in got_records] == [(r.name, r.kwargs) for r in records]
-            for want, got in zip(records, got_records, strict=True):
-                assert type(got.value) is type(want.value), f"rank {rank}: {want.name}"
-                if isinstance(want.value, torch.Tensor):
-                    assert got.value.dtype == want.value.dtype and torch.equal(got.value, want.value)
-                else:
-                    assert got.value == want.value
+            _same_records(got_records, records, f"rank {rank} {kind}")
+        # every stage's gradient-hook logs reach every rank of its pipeline ([Note: gradient hooks])
+        assert len(result["gathered"]) == len(gradient_logs(0))
+        for call, by_stage in enumerate(result["gathered"]):
+            assert len(by_stage) == 2
+            for stage, got_records in enumerate(by_stage):
+                _same_records(got_records, gradient_logs(stage)[call], f"rank {rank}, call {call}, stage {stage}")
+
+
+def _same_records(got_records: list[LogRecord], records: list[LogRecord], where: str) -> None:
+    assert [(r.name, r.kwargs) for r in got_records] == [(r.name, r.kwargs) for r in records], where
+    for want, got in zip(records, got_records, strict=True):
+        assert type(got.value) is type(want.value), f"{where}: {want.name}"
+        if isinstance(want.value, torch.Tensor):
+            assert got.value.dtype == want.value.dtype and torch.equal(got.value, want.value), where
+        else:
+            assert got.value == want.value, where
 
 
 def test_a_pipeline_of_one_stage_needs_no_messages() -> None:

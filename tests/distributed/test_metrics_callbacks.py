@@ -35,6 +35,8 @@ SCRIPT = Path(__file__).with_name("_metrics_script.py")
 LAUNCHES = [("lightning", 2), ("torchrun", 4)]
 #: Step values of metric objects: a replica's own batch (torchmetrics' forward is local, as under DDP).
 LOCAL_STEP_VALUES = {"train_acc_step", "train_mse_step", "train_acc", "train_mse"}
+#: A maximum over ``self.parameters()`` in ``on_after_backward``: one stage's under autopart, logged per stage.
+PER_STAGE = {"grad_max", "grad_max/stage_0", "grad_max/stage_1"}
 
 
 def _close(a: float | None, b: float) -> bool:
@@ -77,10 +79,11 @@ def test_logged_values_equal_one_process(launched: dict[str, Any]) -> None:
     """Metric objects (step and epoch values), a metric computed at epoch end and sync_dist losses, seen by every
     rank after each training batch and each validation, and at the end."""
     ref = launched["reference"]
-    local = LOCAL_STEP_VALUES if launched["replicas"] > 1 else set()
+    local = (LOCAL_STEP_VALUES if launched["replicas"] > 1 else set()) | PER_STAGE
     assert {"train_acc_epoch", "train_mse_epoch", "train_mean", "epoch_mean", "val_acc", "val_auroc"} <= set(
         ref["final"]
     )
+    assert {"grad_2.0_norm_total", "grad_2.0_norm/model.4.weight", "lr_seen"} <= set(ref["final"])
     for rank, got in launched["ranks"].items():
         assert len(got["steps"]) == len(ref["steps"]) and len(got["validations"]) == len(ref["validations"])
         for i, (seen, want) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
@@ -93,6 +96,24 @@ def test_logged_values_equal_one_process(launched: dict[str, Any]) -> None:
             )
         assert not _differences(got["final"], ref["final"], local), f"rank {rank}"
         assert all(math.isfinite(v) for v in got["final"].values()), f"rank {rank}: {got['final']}"
+
+
+def test_gradient_hooks_log_the_whole_models_values(launched: dict[str, Any]) -> None:
+    """What on_after_backward and on_before_optimizer_step log, gathered from both stages: grad_norm's
+    per-parameter norms and total equal one process's (checked with the other values above), and a maximum over
+    each stage's parameters is logged per stage, the larger being the whole model's."""
+    ref = launched["reference"]
+    for rank, got in launched["ranks"].items():
+        for i, (seen, want) in enumerate(zip(got["steps"], ref["steps"], strict=True)):
+            assert "grad_max" not in seen and "grad_max" in want, f"rank {rank}, batch {i}"
+            assert _close(max(seen["grad_max/stage_0"], seen["grad_max/stage_1"]), want["grad_max"]), (
+                f"rank {rank}, batch {i}: {seen['grad_max/stage_0']}, {seen['grad_max/stage_1']} vs {want['grad_max']}"
+            )
+    names = [k for k in launched["csv"][0] if k.startswith("grad_")]
+    assert sorted(names) == sorted(
+        [k for k in launched["reference_csv"][0] if k.startswith("grad_") and k != "grad_max"]
+        + ["grad_max/stage_0", "grad_max/stage_1"]
+    )
 
 
 def test_step_values_agree_along_each_pipeline(launched: dict[str, Any]) -> None:
@@ -139,12 +160,14 @@ def test_callbacks_decide_as_one_process(launched: dict[str, Any]) -> None:
 def test_csv_logger_writes_the_rows_of_one_process(launched: dict[str, Any]) -> None:
     """Rank 0's metrics.csv: same columns and rows (LearningRateMonitor's lr-SGD included) as one process's."""
     rows, want = launched["csv"], launched["reference_csv"]
-    assert set(rows[0]) == set(want[0]) and "lr-SGD" in rows[0]
+    assert set(rows[0]) - PER_STAGE == set(want[0]) - PER_STAGE and "lr-SGD" in rows[0]
     assert len(rows) == len(want)
     local = LOCAL_STEP_VALUES if launched["replicas"] > 1 else set()
     for i, (row, ref) in enumerate(zip(rows, want, strict=True)):
         for key, value in ref.items():
-            if key in local:
+            if key in PER_STAGE:
+                assert (row["grad_max/stage_0"] == "") == (value == ""), f"row {i}, {key}"
+            elif key in local:
                 assert (row[key] == "") == (value == ""), f"row {i}, {key}"
             elif value == "" or row[key] == "":
                 assert row[key] == value, f"row {i}, {key}: {row[key]!r} vs {value!r}"
