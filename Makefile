@@ -40,13 +40,19 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Without PYTEST_ARGS: the one-process tier on UNIT_WORKERS workers (pytest-xdist; its tests are independent and
-# mostly bound by the interpreter), then the tiers that start processes one test at a time (their ranks need the
-# cores, and some check how soon they exit). With PYTEST_ARGS: one plain pytest run of what they name.
+# mostly bound by the interpreter), then the tiers that start processes on PROCESS_WORKERS workers, a test file
+# per worker (its module fixtures launch a job once): one at a time they left half of 2 cores idle (ranks wait
+# on each other and on launchers). Last, one test at a time, the files marked `alone`: they check how soon
+# ranks exit after a fault or a signal, or how busy the CPUs are, which a job beside them would change.
+# With PYTEST_ARGS: one plain pytest run of what they name.
 UNIT_WORKERS ?= 2
+PROCESS_WORKERS ?= 2
 pytest: $(STAMP)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(UNIT_WORKERS) tests/unit
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(PROCESS_WORKERS) --dist loadfile -m "not alone" \
+		--ignore=tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone --ignore=tests/unit
 else
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 endif

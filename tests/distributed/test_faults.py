@@ -17,7 +17,7 @@ import pytest
 from tests.distributed._faults_script import FAULTS
 from tests.distributed.fault_watch import Watched, watch_job
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.alone]  # deadlines or CPU load: run with nothing beside
 
 SCRIPT = Path(__file__).with_name("_faults_script.py")
 #: Seconds after an exception or a kill by which every process must be gone (typically 0.1: docs/guide.md).

@@ -12,7 +12,7 @@ import torch
 from tests.distributed._load_worker import PLANNING_S
 from tests.distributed.launch import run_job
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.alone]  # deadlines or CPU load: run with nothing beside
 
 
 def test_rank_zeros_machine_is_busy_while_it_plans(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from lightning_autopart.lightning.strategy import AutoPartitionStrategy
 from tests.distributed import _preempt_script as script
 from tests.distributed.launch import ROOT, free_port
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.alone]  # deadlines or CPU load: run with nothing beside
 
 SCRIPT = Path(script.__file__)
 
