@@ -16,7 +16,8 @@ logs, on every rank, one value per name:
   the fix, never one stage's part under the model's name.
 
 Layouts (names, options, shapes) are exchanged pickled once, as in the log channel ([Note: log channel]); then
-each step gathers the host numbers over gloo and the tensors as one device tensor, so nothing is read back.
+each step gathers the host numbers over gloo and the tensors as one device tensor (on a CPU device, both in the
+one gloo message), so nothing is read back.
 Whether several stages' tensors agree is read once, when a name first appears; afterwards a disagreement
 makes the logged value NaN on the device (never a wrong number), and the host reads that flag only at logging
 steps (``check_due``), where the name then goes per stage. A pipeline of one stage, or hooks that no module
@@ -45,6 +46,7 @@ from lightning_autopart.lightning.log_channel import (
     LogChannel,
     Slot,
     layout_of,
+    packed,
     placed,
     portable,
     unpack_layout,
@@ -86,6 +88,8 @@ class GradientLogs:
         self._active: dict[str, bool] = {}
         #: Per hook, per position: the layouts seen so far (the same on every member).
         self._layouts: dict[str, list[list[list[Slot]]]] = {}
+        #: Per hook: the widths of a message that fits every layout seen (numbers, tensor elements).
+        self._widths: dict[str, tuple[int, int]] = {}
         #: (hook, name) of names several stages log: True where their values agreed when first seen.
         self._agreed: dict[tuple[str, str], bool] = {}
         #: (hook, name) of agreeing tensor names: a device flag set when they stop agreeing.
@@ -115,38 +119,49 @@ class GradientLogs:
         """Every member's ``records`` of this call of ``hook``, by position (every member calls it)."""
         assert self.group is not None
         members = len(self.labels)
-        sendable = [replace(r, value=None if r.metric is not None else portable(r.value)) for r in records]
-        layout = layout_of(sendable)
+        # a metric travels as its name alone (refused in merge)
+        bare = [replace(r, value=None) if r.metric is not None else r for r in records]
+        layout = layout_of(bare)
         known = self._layouts.setdefault(hook, [[] for _ in range(members)])
         index = known[self.position].index(layout) if layout in known[self.position] else -1
-        every = [one for layouts in known for one in layouts]
-        host = torch.zeros(1 + max((_count(one, NUMBER_KINDS) for one in every), default=0), dtype=torch.float64)
+        numbers_width, tensors_width = self._widths.get(hook, (0, 0))
+        on_host = self.device_group is None  # a CPU device: the tensors travel in the gloo message too
+        host = torch.zeros(1 + numbers_width + (tensors_width if on_host else 0), dtype=torch.float64)
         host[0] = index
+        tensors = [r.value for r, s in zip(records, layout, strict=True) if s.kind == "tensor"]
         if index >= 0:
             numbers = [float(r.value) for r, s in zip(records, layout, strict=True) if s.kind in NUMBER_KINDS]
             host[1 : 1 + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
+            if on_host and tensors:
+                flat = packed(tensors, host.device)
+                host[1 + numbers_width : 1 + numbers_width + flat.numel()] = flat
         hosts = [torch.empty_like(host) for _ in range(members)]
         dist.all_gather(hosts, host, group=self.group)
         indices = [int(h.numpy()[0]) for h in hosts]  # host memory, read without a dispatch
         if min(indices) < 0:  # a layout not seen before: the records travel pickled, once
             boxes: list[Any] = [None] * members
-            dist.all_gather_object(boxes, sendable, group=self.group)
+            dist.all_gather_object(boxes, [replace(r, value=portable(r.value)) for r in bare], group=self.group)
             for position, got in enumerate(boxes):
                 if indices[position] < 0:
                     _learn(known[position], layout_of(got))
+            every = [one for layouts in known for one in layouts]
+            self._widths[hook] = (
+                max((_count(one, NUMBER_KINDS) for one in every), default=0),
+                max((_count(one, ("tensor",)) for one in every), default=0),
+            )
             return [[replace(r, value=placed(r.value, self.device)) for r in got] for got in boxes]
-        width = max((_count(one, ("tensor",)) for one in every), default=0)
-        on = self.device if self.device_group is not None else torch.device("cpu")
-        mine = torch.zeros(width, dtype=torch.float64, device=on)
-        tensors = [r.value.reshape(-1) for r, s in zip(records, layout, strict=True) if s.kind == "tensor"]
-        if tensors:
-            flat = torch.cat([t.to(device=on, dtype=torch.float64) for t in tensors])
-            mine[: flat.numel()] = flat
-        parts = [torch.empty_like(mine) for _ in range(members)]
-        if width:
-            dist.all_gather(parts, mine, group=self.device_group or self.group)
+        if on_host:
+            parts = [h[1 + numbers_width :] for h in hosts]
+        else:  # on the device's backend, asynchronous on its stream: nothing waits for the device here
+            mine = torch.zeros(tensors_width, dtype=torch.float64, device=self.device)
+            if tensors:
+                flat = packed(tensors, self.device)
+                mine[: flat.numel()] = flat
+            parts = [torch.empty_like(mine) for _ in range(members)]
+            if tensors_width:
+                dist.all_gather(parts, mine, group=self.device_group)
         return [
-            unpack_layout(known[p][indices[p]], hosts[p][1:].numpy(), parts[p].to(self.device))
+            unpack_layout(known[p][indices[p]], hosts[p][1 : 1 + numbers_width].numpy(), parts[p].to(self.device))
             for p in range(members)
         ]
 
@@ -244,12 +259,10 @@ def _grad_norm_total(name: str, held: dict[str, list[tuple[int, LogRecord]]]) ->
         return None
     prefix = f"grad_{match.group(1)}_norm"
     parts = [pairs[0][1].value for other, pairs in held.items() if other != name and other.startswith(prefix)]
-    tensors = [torch.as_tensor(v) for v in parts]
-    if not tensors or any(t.numel() != 1 for t in tensors):
+    if not parts or any(not isinstance(v, torch.Tensor) or v.numel() != 1 for v in parts):
         return None
-    device = tensors[0].device
-    stacked = torch.stack([t.to(device=device, dtype=torch.float32).reshape(()) for t in tensors])
-    return torch.linalg.vector_norm(stacked, ord=norm_type)
+    total = torch.linalg.vector_norm(packed(parts, parts[0].device), ord=norm_type)
+    return total.to(parts[0].dtype)
 
 
 def _warn_per_stage(key: tuple[str, str], values: str) -> None:

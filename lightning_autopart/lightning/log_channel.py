@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "Slot",
     "layout_of",
     "open_log_channel",
+    "packed",
     "placed",
     "portable",
     "unpack_layout",
@@ -65,7 +67,7 @@ class Slot:
     states: tuple[StateSpec, ...] | None = None
     blob: bytes | None = None  # an "object" record's value, pickled (tensors on the CPU)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -226,9 +228,9 @@ class LogChannel:
             numbers = [float(r.value) for r, s in zip(records, slots, strict=True) if s.kind in NUMBER_KINDS]
             if numbers:
                 host[_HEADER : _HEADER + len(numbers)] = torch.tensor(numbers, dtype=torch.float64)
-            tensors = [r.value.reshape(-1) for r, s in zip(records, slots, strict=True) if s.kind == "tensor"]
+            tensors = [r.value for r, s in zip(records, slots, strict=True) if s.kind == "tensor"]
             if tensors:
-                flat = torch.cat([t.to(device=values.device, dtype=torch.float64) for t in tensors])
+                flat = packed(tensors, values.device)
                 values[1 : 1 + flat.numel()] = flat
         works = self._broadcast(whole, values)
         if same:
@@ -280,11 +282,13 @@ def unpack_layout(layout: list[Slot], numbers: Any, values: torch.Tensor) -> lis
     """The records a message of ``layout`` carries: its host part's ``numbers`` and device part's ``values``."""
     out = []
     host = device = 0
+    views = _typed_views(layout, values)
     for slot in layout:
         value: Any = None
         if slot.kind == "tensor":
             assert slot.dtype is not None
-            value = values[device : device + slot.numel].reshape(slot.shape).to(slot.dtype)
+            whole, scalars = views[slot.dtype]
+            value = scalars[device] if slot.shape == () else whole[device : device + slot.numel].reshape(slot.shape)
             device += slot.numel
         elif slot.kind in NUMBER_KINDS:
             number = float(numbers[host])
@@ -293,6 +297,29 @@ def unpack_layout(layout: list[Slot], numbers: Any, values: torch.Tensor) -> lis
         elif slot.kind == "object" and slot.blob is not None:
             value = placed(pickle.loads(slot.blob), values.device)  # sent by this job's last stage
         out.append(LogRecord(slot.name, value, dict(slot.kwargs), slot.metric, slot.states))
+    return out
+
+
+def packed(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` flattened into one float64 tensor on ``device``: a kernel or two for the usual logged values
+    (scalars of one dtype), not several per tensor; tensors elsewhere move, mixed dtypes convert one by one."""
+    moved = [t if t.device == device else t.to(device) for t in tensors]
+    if any(t.dtype != moved[0].dtype for t in moved):
+        moved = [t.to(torch.float64) for t in moved]  # no promotion through float32: exact for int64 counts
+    flat = torch.stack(moved) if all(t.dim() == 0 for t in moved) else torch.cat([t.reshape(-1) for t in moved])
+    return flat.to(torch.float64)
+
+
+def _typed_views(layout: list[Slot], values: torch.Tensor) -> dict[torch.dtype, tuple[torch.Tensor, Any]]:
+    """Per dtype of ``layout``'s tensors: the device part converted once, and its elements as 0-d views (for the
+    scalars, the usual logged value), so unpacking costs a few kernels, not several per record."""
+    used = sum(s.numel for s in layout if s.kind == "tensor")
+    out: dict[torch.dtype, tuple[torch.Tensor, Any]] = {}
+    for s in layout:
+        if s.kind == "tensor" and s.dtype is not None and s.dtype not in out:
+            whole = values[:used].to(s.dtype)
+            scalar = any(t.kind == "tensor" and t.dtype == s.dtype and t.shape == () for t in layout)
+            out[s.dtype] = (whole, whole.unbind(0) if scalar else ())
     return out
 
 

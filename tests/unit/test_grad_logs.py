@@ -14,6 +14,7 @@ from torch import nn
 from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.grad_logs import GradientLogs, gathered_logs, merge_stage_logs
 from lightning_autopart.lightning.hooks import LogRecord
+from lightning_autopart.lightning.log_channel import packed
 
 HOOK = "on_before_optimizer_step"
 
@@ -123,3 +124,13 @@ def test_one_stage_or_no_trainer_runs_the_hook_as_it_is() -> None:
             module.log("x", 1.0)
     assert module.logged == ["x", "x"]
     assert not _logs().active(HOOK, True)  # no group: nothing to gather
+
+
+def test_packing_keeps_int64_counts_exact_beside_floats() -> None:
+    """Logged values travel as one float64 tensor: scalars of one dtype in one kernel, mixed dtypes converted one
+    by one (never promoted through float32, which would round a count past 2**24)."""
+    count, mean, column = torch.tensor(2**40 + 1), torch.tensor(0.5), torch.arange(3.0).reshape(3, 1)
+    flat = packed([count, mean, column], torch.device("cpu"))
+    assert flat.dtype == torch.float64 and flat.tolist() == [2**40 + 1, 0.5, 0.0, 1.0, 2.0]
+    same = packed([torch.tensor(1.5), torch.tensor(-2.0)], torch.device("cpu"))
+    assert same.tolist() == [1.5, -2.0]
