@@ -41,22 +41,20 @@ from lightning_autopart.errors import ConfigError
 from lightning_autopart.lightning.finite import check_due
 from lightning_autopart.lightning.hooks import LogRecord, capture_logs
 from lightning_autopart.lightning.log_channel import (
-    MAX_LAYOUTS,
     NUMBER_KINDS,
     LogChannel,
     Slot,
     layout_of,
+    layout_widths,
     packed,
     placed,
     portable,
+    remember,
     unpack_layout,
 )
 from lightning_autopart.runtime.topology import Placement, pipeline_ranks
 
-__all__ = ["GRADIENT_HOOKS", "GradientLogs", "gathered_logs", "merge_stage_logs"]
-
-#: The hooks whose logged values are gathered over the stages (they see the gradients).
-GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+__all__ = ["GradientLogs", "gathered_logs", "merge_stage_logs"]
 
 #: Lightning's ``grad_norm`` total: ``grad_{norm_type}_norm_total``.
 _TOTAL = re.compile(r"grad_(.+)_norm_total")
@@ -143,12 +141,8 @@ class GradientLogs:
             dist.all_gather_object(boxes, [replace(r, value=portable(r.value)) for r in bare], group=self.group)
             for position, got in enumerate(boxes):
                 if indices[position] < 0:
-                    _learn(known[position], layout_of(got))
-            every = [one for layouts in known for one in layouts]
-            self._widths[hook] = (
-                max((_count(one, NUMBER_KINDS) for one in every), default=0),
-                max((_count(one, ("tensor",)) for one in every), default=0),
-            )
+                    remember(known[position], layout_of(got))
+            self._widths[hook] = layout_widths([one for layouts in known for one in layouts])
             return [[replace(r, value=placed(r.value, self.device)) for r in got] for got in boxes]
         if on_host:
             parts = [h[1 + numbers_width :] for h in hosts]
@@ -284,26 +278,13 @@ def _shown(value: Any) -> str:
     return f"{t.item():.6g}" if t.numel() == 1 else f"a tensor of shape {tuple(t.shape)}"
 
 
-def _count(layout: list[Slot], kinds: tuple[str, ...]) -> int:
-    return sum(s.numel if s.kind == "tensor" else 1 for s in layout if s.kind in kinds)
-
-
-def _learn(known: list[list[Slot]], layout: list[Slot]) -> None:
-    if len(known) >= MAX_LAYOUTS:
-        known.clear()
-    known.append(layout)
-
-
 @contextmanager
 def gathered_logs(logs: GradientLogs | None, module: Any, hook: str, overridden: bool = True) -> Iterator[None]:
     """Run ``hook`` (of ``module``, a LightningModule, and its Trainer's callbacks) inside, recording what it
     logs; then log, on every rank, the values gathered from every stage (see [Note: gradient hooks]).
     ``overridden``: whether this rank's module or a callback overrides ``hook`` (else nothing can be logged)."""
     trainer = getattr(module, "_trainer", None)
-    if logs is None or trainer is None or logs.group is None:
-        yield
-        return
-    if not logs.active(hook, overridden):
+    if logs is None or trainer is None or not logs.active(hook, overridden):
         yield
         return
     records: list[LogRecord] = []

@@ -43,10 +43,12 @@ __all__ = [
     "LogChannel",
     "Slot",
     "layout_of",
+    "layout_widths",
     "open_log_channel",
     "packed",
     "placed",
     "portable",
+    "remember",
     "unpack_layout",
 ]
 
@@ -102,12 +104,26 @@ NUMBER_KINDS = ("int", "float")
 _HEADER = 2
 
 
+def layout_widths(layouts: list[list[Slot]]) -> tuple[int, int]:
+    """The numbers and the tensor elements a message must hold to fit every one of ``layouts``."""
+    numbers = max((sum(1 for s in layout if s.kind in NUMBER_KINDS) for layout in layouts), default=0)
+    elements = max((sum(s.numel for s in layout if s.kind == "tensor") for layout in layouts), default=0)
+    return numbers, elements
+
+
+def remember(known: list[list[Slot]], layout: list[Slot]) -> None:
+    """Add a new ``layout`` to ``known`` (on every member alike, so indices and widths agree), starting the list
+    over past ``MAX_LAYOUTS``."""
+    if len(known) >= MAX_LAYOUTS:
+        known.clear()
+    known.append(layout)
+
+
 def _widths(layouts: list[list[Slot]]) -> tuple[int, int]:
     """Sizes of the host part (header, numbers) and of the device part (loss, tensors) of a message that fits
     every one of ``layouts``."""
-    host = max((sum(1 for s in layout if s.kind in NUMBER_KINDS) for layout in layouts), default=0)
-    values = max((sum(s.numel for s in layout if s.kind == "tensor") for layout in layouts), default=0)
-    return _HEADER + host, 1 + values
+    numbers, elements = layout_widths(layouts)
+    return _HEADER + numbers, 1 + elements
 
 
 def _trainer(module: Any) -> Any:
@@ -244,11 +260,8 @@ class LogChannel:
         return value, records
 
     def _learn(self, kind: str, layout: list[Slot]) -> None:
-        """Remember a new layout of ``kind`` (on every member alike, so indices and widths agree)."""
-        known = self._layouts.setdefault(kind, [])
-        if len(known) >= MAX_LAYOUTS:
-            known.clear()
-        known.append(layout)
+        """Remember a new layout of ``kind``."""
+        remember(self._layouts.setdefault(kind, []), layout)
 
     def wait(self) -> None:
         """Wait until the last asynchronous message has left (before the next one, and at teardown)."""
